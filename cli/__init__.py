@@ -1,0 +1,1 @@
+"""The ``outbox`` command: the only place that wires the components together."""

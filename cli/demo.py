@@ -1,0 +1,261 @@
+"""``outbox demo``: the whole pipeline on this machine, end to end, in one command.
+
+It migrates a database (a fresh SQLite file unless ``--database-url``/``OUTBOX_DATABASE_URL``
+names one), starts relays and consumers as child processes, creates runs through the run store
+(each run and its ``run.created`` event in one transaction), shows a progress bar until every
+event is claimed, then prints a summary and the ``redis-cli`` commands to look at the streams.
+Every demo uses its own key prefix and group, so repeated demos never mix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import redis
+from sqlalchemy import Engine, func, select
+
+from cli import options
+from producer import Producer
+from producer.runs import RunStore
+from shared import db, keys
+from shared.errors import ConfigError, UnavailableError
+from shared.redaction import redact_url
+from shared.redis_conn import connect_redis
+from shared.schema import inbox, outbox, runs
+from shared.settings import CommonSettings
+
+DEMO_DIR = Path(".outbox-demo")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The demo's own flags (the settings flags are added by the caller)."""
+    parser.add_argument("--runs", type=int, default=1000, help="runs to create (default 1000)")
+    parser.add_argument("--relays", type=int, default=1, help="relay processes (default 1)")
+    parser.add_argument("--consumers", type=int, default=1, help="consumer processes (default 1)")
+    parser.add_argument("--timeout", type=float, default=300.0,
+                        help="give up after this many seconds (default 300)")
+    parser.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
+
+
+class Children:
+    """The demo's child processes; all of them are stopped on exit, whatever happens."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def start(self, argv: list[str], env: dict[str, str], log_path: Path) -> None:
+        with log_path.open("ab") as out:
+            self.procs.append(subprocess.Popen(argv, env=env, stdout=out, stderr=out))
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in self.procs:
+            try:
+                p.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+    def dead(self) -> list[int]:
+        return [p.returncode for p in self.procs if p.poll() is not None and p.returncode != 0]
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run the demo; 0 when every run's event was consumed and nothing went to dead letters."""
+    if args.runs < 1 or args.relays < 1 or args.consumers < 1:
+        raise ConfigError("--runs, --relays and --consumers must be at least 1")
+    DEMO_DIR.mkdir(exist_ok=True)
+    if args.database_url is None and "OUTBOX_DATABASE_URL" not in os.environ:
+        path = DEMO_DIR / "demo.db"
+        for suffix in ("", "-wal", "-shm"):
+            Path(f"{path}{suffix}").unlink(missing_ok=True)
+        args.database_url = f"sqlite:///{path}"
+    settings = options.load_settings(CommonSettings, args)
+    children = Children()
+    own_redis: subprocess.Popen[bytes] | None = None
+    try:
+        redis_url, own_redis = _redis(settings.redis_url)
+        return _run(args, settings, redis_url, children)
+    finally:
+        children.stop()
+        if own_redis is not None:
+            own_redis.terminate()
+            own_redis.wait(timeout=10)
+
+
+def _run(args: argparse.Namespace, settings: CommonSettings, redis_url: str,
+         children: Children) -> int:
+    engine = db.make_engine(settings.database_url)
+    db.upgrade(engine)
+    stamp = f"demo-{time.strftime('%Y%m%d%H%M%S')}-{os.getpid()}"
+    env = {
+        **os.environ,
+        "OUTBOX_DATABASE_URL": settings.database_url,
+        "OUTBOX_REDIS_URL": redis_url,
+        "OUTBOX_KEY_PREFIX": stamp,
+        "OUTBOX_PARTITIONS": str(settings.partitions),
+        "OUTBOX_GROUP": "demo",
+        "OUTBOX_LOG_LEVEL": "WARNING",
+        "OUTBOX_CLAIM_IDLE_MS": "5000",
+    }
+    logs = DEMO_DIR / "logs"
+    logs.mkdir(exist_ok=True)
+    cmd = [sys.executable, "-m", "cli.main"]
+    for i in range(args.relays):
+        children.start([*cmd, "relay"], env, logs / f"relay-{i}.log")
+    for i in range(args.consumers):
+        children.start([*cmd, "consume"], env, logs / f"consumer-{i}.log")
+    store = RunStore(Producer(source="outbox-demo", partitions=settings.partitions))
+    started = time.monotonic()
+    progress = Progress(args.runs, quiet=args.json)
+    for n in range(args.runs):
+        with engine.begin() as conn:
+            store.create(conn, f"{stamp}-{n:06d}", {"request": {"n": n}})
+        if n % 50 == 0:
+            progress.show(n + 1, _consumed(engine, stamp))
+    deadline = started + args.timeout
+    consumed = _consumed(engine, stamp)
+    while consumed < args.runs and time.monotonic() < deadline and not children.dead():
+        progress.show(args.runs, consumed)
+        time.sleep(0.2)
+        consumed = _consumed(engine, stamp)
+    progress.show(args.runs, consumed, done=True)
+    summary = _summary(engine, connect_redis(redis_url), settings, stamp, args.runs)
+    summary["seconds"] = round(time.monotonic() - started, 2)
+    summary["redis_url"] = redact_url(redis_url)
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        print(_render(summary, stamp, settings.partitions, redis_url))
+    ok = summary["consumed"] == args.runs and summary["dead"] == 0
+    return 0 if ok else 1
+
+
+def _redis(url: str) -> tuple[str, subprocess.Popen[bytes] | None]:
+    try:
+        connect_redis(url, timeout_s=2).ping()
+        return url, None
+    except (redis.RedisError, UnavailableError):
+        pass
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise UnavailableError(
+            f"no Redis at {redact_url(url)} and no redis-server binary to start one. "
+            "Start one with `docker compose up -d redis` (compose.yaml) or install the "
+            "system package (apt-get install redis-server), or set OUTBOX_REDIS_URL."
+        )
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    workdir = tempfile.mkdtemp(prefix="outbox-demo-redis-")
+    proc = subprocess.Popen(
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+         "--dir", workdir],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    own = f"redis://127.0.0.1:{port}/0"
+    client = connect_redis(own, timeout_s=1)
+    for _ in range(100):
+        try:
+            client.ping()
+            print(f"started redis-server on port {port} for this demo", file=sys.stderr)
+            return own, proc
+        except redis.RedisError:
+            time.sleep(0.05)
+    proc.kill()
+    raise UnavailableError("could not start a redis-server for the demo")
+
+
+def _consumed(engine: Engine, stamp: str) -> int:
+    with engine.connect() as conn:
+        return int(conn.execute(
+            select(func.count()).where(
+                inbox.c.group_name == "demo", inbox.c.outcome == "applied",
+                inbox.c.event_id.like(f"{stamp}-%"),
+            )
+        ).scalar_one())
+
+
+def _summary(engine: Engine, client: redis.Redis, settings: CommonSettings, stamp: str,
+             wanted: int) -> dict[str, Any]:
+    like = f"{stamp}-%"
+    with engine.connect() as conn:
+        created = conn.execute(select(func.count()).where(runs.c.id.like(like))).scalar_one()
+        delivered = conn.execute(select(func.count()).where(
+            outbox.c.event_id.like(like), outbox.c.delivered_at_ms.is_not(None))).scalar_one()
+        outcomes = dict(conn.execute(
+            select(inbox.c.outcome, func.count()).where(
+                inbox.c.group_name == "demo", inbox.c.event_id.like(like)
+            ).group_by(inbox.c.outcome)).all())
+        duplicates = conn.execute(select(func.coalesce(func.sum(inbox.c.duplicates), 0)).where(
+            inbox.c.group_name == "demo", inbox.c.event_id.like(like))).scalar_one()
+    entries = dead_letters = 0
+    for p in range(settings.partitions):
+        entries += client.xlen(keys.stream_key(stamp, "runs", p))
+        dead_letters += client.xlen(keys.dead_letter_key(stamp, "runs", p))
+    return {
+        "runs_requested": wanted,
+        "created": created,
+        "delivered": delivered,
+        "stream_entries": entries,
+        "consumed": outcomes.get("applied", 0),
+        "duplicates_skipped": int(duplicates),
+        "stale": outcomes.get("stale", 0),
+        "dead": outcomes.get("dead", 0) + dead_letters,
+        "database_url": redact_url(settings.database_url),
+        "key_prefix": stamp,
+    }
+
+
+def _render(s: dict[str, Any], stamp: str, partitions: int, redis_url: str) -> str:
+    rate = s["consumed"] / s["seconds"] if s["seconds"] else 0.0
+    key0 = keys.stream_key(stamp, "runs", 0)
+    cli = f"redis-cli -u {redact_url(redis_url)}"
+    return "\n".join([
+        "",
+        f"created             {s['created']:>8}",
+        f"delivered           {s['delivered']:>8}   (stream entries: {s['stream_entries']})",
+        f"consumed            {s['consumed']:>8}   ({rate:,.0f}/s end to end)",
+        f"duplicates skipped  {s['duplicates_skipped']:>8}",
+        f"stale               {s['stale']:>8}",
+        f"dead                {s['dead']:>8}",
+        f"took {s['seconds']}s on {s['database_url']}",
+        "",
+        f"Inspect what it produced ({partitions} partitions, key prefix {stamp}):",
+        f"  {cli} --scan --pattern '{stamp}:*'",
+        f"  {cli} XLEN '{key0}'",
+        f"  {cli} XRANGE '{key0}' - + COUNT 2",
+        f"  {cli} XINFO GROUPS '{key0}'",
+        f"  {cli} XLEN '{keys.dead_letter_key(stamp, 'runs', 0)}'",
+    ])
+
+
+class Progress:
+    """A one-line progress bar on stderr."""
+
+    def __init__(self, total: int, *, quiet: bool) -> None:
+        self.total, self.quiet = total, quiet
+
+    def show(self, created: int, consumed: int, *, done: bool = False) -> None:
+        if self.quiet:
+            return
+        width = 30
+        filled = int(width * consumed / self.total)
+        bar = "#" * filled + "." * (width - filled)
+        end = "\n" if done else ""
+        sys.stderr.write(f"\r[{bar}] created {created}/{self.total}  consumed {consumed}{end}")
+        sys.stderr.flush()

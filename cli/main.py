@@ -1,0 +1,153 @@
+"""``outbox``: database migrations, the relay and consumer daemons, status and the demo.
+
+Every daemon starts the same way: read settings once → open the database and check its schema
+→ connect to Redis → run. Errors reach the terminal as ``error <code>: <message>`` with exit
+status 2 (configuration) or 1 (anything else); driver messages only with ``--log-level DEBUG``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Callable, Sequence
+
+from cli import apps, options
+from cli import status as status_report
+from consumer.daemon import Consumer
+from relay.daemon import Relay
+from shared import db
+from shared.errors import ConfigError, OutboxError
+from shared.redaction import configure_logging, redact_url
+from shared.redis_conn import connect_redis
+from shared.settings import CommonSettings, ConsumerSettings, RelaySettings
+
+log = logging.getLogger("outbox")
+
+
+def cmd_db_upgrade(args: argparse.Namespace) -> int:
+    """Apply pending migrations."""
+    settings = options.load_settings(CommonSettings, args)
+    head = db.upgrade(db.make_engine(settings.database_url))
+    print(f"database {redact_url(settings.database_url)} is at schema {head}")
+    return 0
+
+
+def cmd_db_check(args: argparse.Namespace) -> int:
+    """Exit 0 if the schema is current, else print why."""
+    settings = options.load_settings(CommonSettings, args)
+    db.check_schema(db.make_engine(settings.database_url))
+    print(f"schema is current ({db.code_head()})")
+    return 0
+
+
+def cmd_relay(args: argparse.Namespace) -> int:
+    """Run the relay daemon until SIGTERM/SIGINT."""
+    settings = options.load_settings(RelaySettings, args)
+    configure_logging(settings.log_level)
+    engine = db.make_engine(settings.database_url)
+    db.check_schema(engine)
+    relay = Relay(settings, engine, connect_redis(settings.redis_url,
+                                                  timeout_s=settings.redis_timeout_s))
+    relay.install_signal_handlers()
+    relay.run(until_idle=args.until_idle)
+    return 0
+
+
+def cmd_consume(args: argparse.Namespace) -> int:
+    """Run the consumer daemon until SIGTERM/SIGINT."""
+    settings = options.load_settings(ConsumerSettings, args)
+    configure_logging(settings.log_level)
+    if settings.redis_timeout_s * 1000 <= settings.block_ms:
+        raise ConfigError("redis_timeout_s must be longer than block_ms")
+    engine = db.make_engine(settings.database_url)
+    db.check_schema(engine)
+    handlers = apps.load_handlers(args.app, settings)
+    client = connect_redis(settings.redis_url, timeout_s=settings.redis_timeout_s)
+    consumer = Consumer(settings, engine, client, handlers)
+    consumer.install_signal_handlers()
+    consumer.run()
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    """Print the outbox backlog and every stream's groups."""
+    settings = options.load_settings(CommonSettings, args)
+    engine = db.make_engine(settings.database_url)
+    db.check_schema(engine)
+    report = status_report.collect(engine, connect_redis(settings.redis_url), settings.key_prefix)
+    print(json.dumps(report, indent=2) if args.json else status_report.render(report))
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """Run the end-to-end demo (see ``cli.demo``)."""
+    from cli import demo
+
+    return demo.main(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The whole command tree; every settings field is a flag."""
+    parser = argparse.ArgumentParser(
+        prog="outbox",
+        description="Transactional outbox → Redis Streams → idempotent consumers.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    dbp = sub.add_parser("db", help="database schema commands")
+    dbsub = dbp.add_subparsers(dest="db_command", required=True, metavar="DB_COMMAND")
+    _leaf(dbsub, "upgrade", "apply pending migrations", CommonSettings, cmd_db_upgrade)
+    _leaf(dbsub, "check", "check that the schema is current", CommonSettings, cmd_db_check)
+
+    relay = _leaf(sub, "relay", "move committed outbox rows into Redis Streams", RelaySettings,
+                  cmd_relay)
+    relay.add_argument("--until-idle", action="store_true",
+                       help="exit once a round finds nothing to deliver (for scripts and tests)")
+
+    consume = _leaf(sub, "consume", "read streams with a consumer group and claim events",
+                    ConsumerSettings, cmd_consume)
+    consume.add_argument("--app", default=apps.DEFAULT_APP,
+                         help=f"handlers to run, as module:attribute (default {apps.DEFAULT_APP})")
+
+    st = _leaf(sub, "status", "outbox backlog and stream/group state", CommonSettings, cmd_status)
+    st.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+    from cli import demo
+
+    demo.add_arguments(_leaf(sub, "demo", "run the end-to-end demo", CommonSettings, cmd_demo))
+    return parser
+
+
+def _leaf(
+    sub: argparse._SubParsersAction,  # type: ignore[type-arg]
+    name: str,
+    help_text: str,
+    model: type[CommonSettings],
+    func: Callable[[argparse.Namespace], int],
+) -> argparse.ArgumentParser:
+    parser: argparse.ArgumentParser = sub.add_parser(name, help=help_text, description=help_text)
+    options.add_settings_flags(parser, model)
+    parser.set_defaults(func=func)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``outbox`` console script."""
+    args = build_parser().parse_args(argv)
+    try:
+        code: int = args.func(args)
+        return code
+    except ConfigError as err:
+        print(f"error {err.code}: {err.message}", file=sys.stderr)
+        return 2
+    except OutboxError as err:
+        print(f"error {err.code}: {err.message}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

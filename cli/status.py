@@ -1,0 +1,94 @@
+"""``outbox status``: what is waiting in the outbox and in each stream, for people and scripts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import redis
+from sqlalchemy import Engine, func, select
+
+from shared import keys
+from shared.db import now_ms, translate_errors
+from shared.redis_conn import translate_redis_errors
+from shared.schema import outbox
+
+
+def collect(engine: Engine, client: redis.Redis, prefix: str) -> dict[str, Any]:
+    """Outbox backlog, oldest undelivered age, and per stream: length, groups, pending, lag,
+    dead letters."""
+    with translate_errors(), engine.connect() as conn:
+        backlog, oldest = conn.execute(
+            select(func.count(), func.min(outbox.c.created_at_ms)).where(
+                outbox.c.delivered_at_ms.is_(None)
+            )
+        ).one()
+        delivered = conn.execute(
+            select(func.count()).where(outbox.c.delivered_at_ms.is_not(None))
+        ).scalar_one()
+        errors = dict(
+            conn.execute(
+                select(outbox.c.last_error, func.count())
+                .where(outbox.c.delivered_at_ms.is_(None), outbox.c.last_error.is_not(None))
+                .group_by(outbox.c.last_error)
+            ).all()
+        )
+    return {
+        "outbox": {
+            "undelivered": backlog,
+            "delivered": delivered,
+            "oldest_undelivered_age_s": round((now_ms() - oldest) / 1000, 3) if oldest else None,
+            "errors": errors,
+        },
+        "streams": _streams(client, prefix),
+    }
+
+
+def _streams(client: redis.Redis, prefix: str) -> list[dict[str, Any]]:
+    out = []
+    with translate_redis_errors():
+        found = sorted(
+            k.decode() for k in client.scan_iter(match=keys.stream_key_pattern(prefix), count=1000)
+        )
+        for key in found:
+            parsed = keys.parse_stream_key(prefix, key)
+            if parsed is None or client.type(key) != b"stream":
+                continue
+            groups = [
+                {
+                    "name": g["name"].decode(),
+                    "consumers": g["consumers"],
+                    "pending": g["pending"],
+                    "lag": g.get("lag"),
+                    "last_delivered_id": g["last-delivered-id"].decode(),
+                }
+                for g in client.xinfo_groups(key)
+            ]
+            out.append(
+                {
+                    "key": key,
+                    "stream": parsed[0],
+                    "partition": parsed[1],
+                    "length": client.xlen(key),
+                    "groups": groups,
+                    "dead_letters": client.xlen(keys.dead_letter_key(prefix, *parsed)),
+                }
+            )
+    return out
+
+
+def render(report: dict[str, Any]) -> str:
+    """A plain-text table of :func:`collect`'s report."""
+    o = report["outbox"]
+    age = "-" if o["oldest_undelivered_age_s"] is None else f"{o['oldest_undelivered_age_s']}s"
+    lines = [
+        f"outbox: {o['undelivered']} undelivered (oldest {age}), {o['delivered']} delivered",
+    ]
+    for code, count in sorted(o["errors"].items()):
+        lines.append(f"  last error {code}: {count} rows")
+    lines.append(f"{'stream key':<32} {'length':>8} {'dead':>6}  groups (pending/lag)")
+    for s in report["streams"]:
+        groups = ", ".join(f"{g['name']} ({g['pending']}/{g['lag']})" for g in s["groups"]) or "-"
+        lines.append(f"{s['key']:<32} {s['length']:>8} {s['dead_letters']:>6}  {groups}")
+    if not report["streams"]:
+        lines.append("(no streams yet)")
+    return "\n".join(lines)

@@ -1,0 +1,198 @@
+"""Every SQL statement of the consumer: the claim transaction (inbox, heads, handlers).
+
+One transaction per batch. On PostgreSQL it first takes transaction-scoped advisory locks on
+the batch's aggregates (sorted, so two consumers cannot deadlock), which serializes any two
+claims that touch the same aggregate: the duplicate and stale checks below then read settled
+rows. SQLite's ``BEGIN IMMEDIATE`` already serializes whole transactions.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import BigInteger, Connection, Engine, bindparam, cast, func, select, tuple_, update
+from sqlalchemy.dialects import postgresql, sqlite
+
+from consumer.handlers import Handlers
+from shared.db import is_postgres, now_ms, translate_errors
+from shared.envelope import Event
+from shared.schema import inbox, inbox_heads
+
+log = logging.getLogger(__name__)
+
+APPLIED, DUPLICATE, STALE, DEAD, FAILED = "applied", "duplicate", "stale", "dead", "failed"
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """A valid entry to claim: where it came from and what it says."""
+
+    key: str
+    entry_id: str
+    event: Event
+    deliveries: int
+    dead_reason: str | None = None  # set when it must be recorded as dead, not applied
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What the claim decided for one delivery; ``failed`` ones stay pending."""
+
+    delivery: Delivery
+    outcome: str
+    error: str | None = None
+
+
+def _head_key(event: Event) -> tuple[str, str] | None:
+    if event.aggregateid is None or event.revision is None:
+        return None
+    return (event.aggregatetype or "", event.aggregateid)
+
+
+def _lock_key(group: str, d: Delivery) -> int:
+    head = _head_key(d.event)
+    raw = "\0".join((group, *head)) if head else f"{group}\0event\0{d.event.id}"
+    return int.from_bytes(hashlib.blake2b(raw.encode(), digest_size=8).digest(), "big", signed=True)
+
+
+def claim(engine: Engine, group: str, batch: list[Delivery], handlers: Handlers) -> list[Outcome]:
+    """Claim a batch durably; return one outcome per delivery, in order.
+
+    Guarantees, in one transaction: an event id already in the group's inbox is a
+    ``duplicate`` (its counter goes up, nothing else happens); an event whose revision is not
+    newer than the aggregate's last applied one is ``stale``; otherwise the handler runs in a
+    savepoint and the receipt and the handler's writes commit together (``applied``), or the
+    savepoint rolls back and the entry is ``failed`` (no receipt: it will be retried).
+    """
+    if not batch:
+        return []
+    with translate_errors(), engine.begin() as conn:
+        if is_postgres(conn):
+            lock_keys = sorted({_lock_key(group, d) for d in batch})
+            array = cast(lock_keys, postgresql.ARRAY(BigInteger))
+            conn.execute(select(func.pg_advisory_xact_lock(func.unnest(array))))
+        seen = _existing(conn, group, [d.event.id for d in batch])
+        heads = _heads(conn, group, {k for d in batch if (k := _head_key(d.event))})
+        outcomes = [_decide(conn, d, seen, heads, handlers) for d in batch]
+        _write(conn, group, outcomes, heads)
+        return outcomes
+
+
+def _existing(conn: Connection, group: str, event_ids: list[str]) -> set[str]:
+    rows = conn.execute(
+        select(inbox.c.event_id).where(
+            inbox.c.group_name == group, inbox.c.event_id.in_(set(event_ids))
+        )
+    )
+    return {r[0] for r in rows}
+
+
+def _heads(conn: Connection, group: str, aggregates: set[tuple[str, str]]) -> dict[Any, int]:
+    if not aggregates:
+        return {}
+    rows = conn.execute(
+        select(inbox_heads.c.aggregate_type, inbox_heads.c.aggregate_id, inbox_heads.c.revision)
+        .where(
+            inbox_heads.c.group_name == group,
+            tuple_(inbox_heads.c.aggregate_type, inbox_heads.c.aggregate_id).in_(list(aggregates)),
+        )
+    )
+    return {(t, i): rev for t, i, rev in rows}
+
+
+def _decide(
+    conn: Connection,
+    d: Delivery,
+    seen: set[str],
+    heads: dict[Any, int],
+    handlers: Handlers,
+) -> Outcome:
+    event = d.event
+    if event.id in seen:
+        return Outcome(d, DUPLICATE)
+    head = _head_key(event)
+    if d.dead_reason is not None:
+        seen.add(event.id)
+        return Outcome(d, DEAD, d.dead_reason)
+    if head is not None and event.revision is not None and heads.get(head, -1) >= event.revision:
+        seen.add(event.id)
+        return Outcome(d, STALE)
+    handler = handlers.get(event.type)
+    if handler is None:
+        seen.add(event.id)
+        return Outcome(d, DEAD, "unknown_type")
+    try:
+        with conn.begin_nested():
+            handler(conn, event)
+    except Exception as err:  # the handler's own failure: only its savepoint rolls back
+        log.warning("handler for %s failed on %s: %s", event.type, event.id, type(err).__name__)
+        log.debug("handler error", exc_info=True)
+        return Outcome(d, FAILED, type(err).__name__)
+    seen.add(event.id)
+    if head is not None and event.revision is not None:
+        heads[head] = event.revision
+    return Outcome(d, APPLIED)
+
+
+def _write(conn: Connection, group: str, outcomes: list[Outcome], heads: dict[Any, int]) -> None:
+    now = now_ms()
+    receipts = [
+        {
+            "group_name": group,
+            "event_id": o.delivery.event.id,
+            "event_type": o.delivery.event.type,
+            "aggregate_type": o.delivery.event.aggregatetype,
+            "aggregate_id": o.delivery.event.aggregateid,
+            "revision": o.delivery.event.revision,
+            "stream_key": o.delivery.key,
+            "entry_id": o.delivery.entry_id,
+            "outcome": o.outcome,
+            "reason": o.error,
+            "created_at_ms": now,
+        }
+        for o in outcomes
+        if o.outcome in (APPLIED, STALE, DEAD)
+    ]
+    if receipts:
+        conn.execute(inbox.insert(), receipts)
+    duplicates = [o.delivery.event.id for o in outcomes if o.outcome == DUPLICATE]
+    if duplicates:
+        conn.execute(
+            update(inbox)
+            .where(inbox.c.group_name == group, inbox.c.event_id == bindparam("b_id"))
+            .values(duplicates=inbox.c.duplicates + 1),
+            [{"b_id": i} for i in duplicates],
+        )
+    applied_heads = _applied_heads(outcomes)
+    if applied_heads:
+        _upsert_heads(conn, group, applied_heads)
+
+
+def _applied_heads(outcomes: Iterable[Outcome]) -> dict[tuple[str, str], int]:
+    best: dict[tuple[str, str], int] = {}
+    for o in outcomes:
+        head = _head_key(o.delivery.event)
+        rev = o.delivery.event.revision
+        if o.outcome == APPLIED and head is not None and rev is not None:
+            best[head] = max(best.get(head, -1), rev)
+    return best
+
+
+def _upsert_heads(conn: Connection, group: str, heads: dict[tuple[str, str], int]) -> None:
+    ins = (postgresql.insert if is_postgres(conn) else sqlite.insert)(inbox_heads)
+    stmt = ins.on_conflict_do_update(
+        index_elements=["group_name", "aggregate_type", "aggregate_id"],
+        set_={"revision": ins.excluded.revision},
+        where=inbox_heads.c.revision < ins.excluded.revision,
+    )
+    conn.execute(
+        stmt,
+        [
+            {"group_name": group, "aggregate_type": t, "aggregate_id": i, "revision": r}
+            for (t, i), r in sorted(heads.items())
+        ],
+    )

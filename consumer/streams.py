@@ -1,0 +1,186 @@
+"""Every Redis command of the consumer: groups, read, autoclaim, pending, ack, dead letters."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import redis
+
+from shared import keys
+from shared.redis_conn import translate_redis_errors
+
+log = logging.getLogger(__name__)
+
+RawFields = Mapping[bytes, bytes]
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One stream entry as read, with how many times the group has delivered it."""
+
+    key: str
+    entry_id: str
+    fields: RawFields | None  # None: the entry was deleted/trimmed while pending
+    deliveries: int = 1
+
+
+def ensure_groups(client: redis.Redis, stream_keys: list[str], group: str) -> None:
+    """``XGROUP CREATE key group 0 MKSTREAM`` for each key, ignoring "already exists".
+
+    Starting at ``0`` means a new group sees the stream from its beginning; ``MKSTREAM``
+    lets consumers start before the relay has written anything, and recreates a group after
+    Redis lost its data.
+    """
+    with translate_redis_errors():
+        for key in stream_keys:
+            try:
+                client.xgroup_create(key, group, id="0", mkstream=True)
+            except redis.ResponseError as err:
+                if "BUSYGROUP" not in str(err):
+                    raise
+
+
+def read(
+    client: redis.Redis,
+    starts: dict[str, str],
+    group: str,
+    consumer: str,
+    *,
+    count: int,
+    block_ms: int | None,
+) -> list[Entry]:
+    """``XREADGROUP`` from ``{key: start}``: ``">"`` for new entries, an id for our own
+    pending entries after it (their delivery counters come from ``XPENDING``)."""
+    with translate_redis_errors():
+        reply = client.xreadgroup(group, consumer, starts, count=count, block=block_ms)  # type: ignore[arg-type]
+    entries = [
+        Entry(_text(key), _text(entry_id), fields or None)
+        for key, items in (reply or [])
+        for entry_id, fields in items
+    ]
+    pending = any(start != ">" for start in starts.values())
+    if pending and entries:
+        return with_delivery_counts(client, group, consumer, entries)
+    return entries
+
+
+def autoclaim(
+    client: redis.Redis,
+    stream_keys: list[str],
+    group: str,
+    consumer: str,
+    *,
+    min_idle_ms: int,
+    count: int,
+) -> list[Entry]:
+    """Take over entries idle longer than ``min_idle_ms`` (ours or a dead consumer's).
+
+    Loops ``XAUTOCLAIM``'s cursor to the end of each stream (bounded by ``count`` entries per
+    key); ids the stream no longer holds are dropped from the pending list by Redis itself.
+    """
+    claimed: list[Entry] = []
+    with translate_redis_errors():
+        for key in stream_keys:
+            cursor, taken = "0-0", 0
+            while taken < count:
+                reply = client.xautoclaim(
+                    key, group, consumer, min_idle_ms, start_id=cursor, count=count - taken
+                )
+                cursor = _text(reply[0])
+                items = reply[1]
+                deleted = reply[2] if len(reply) > 2 else []
+                if deleted:
+                    log.warning("%d pending entries of %s were trimmed away", len(deleted), key)
+                claimed += [Entry(key, _text(i), f or None) for i, f in items]
+                taken += len(items)
+                if cursor == "0-0":
+                    break
+    return with_delivery_counts(client, group, consumer, claimed) if claimed else []
+
+
+def with_delivery_counts(
+    client: redis.Redis, group: str, consumer: str, entries: list[Entry]
+) -> list[Entry]:
+    """Fill in each entry's delivery counter from ``XPENDING`` (one call per stream)."""
+    counts: dict[tuple[str, str], int] = {}
+    with translate_redis_errors():
+        by_key: dict[str, list[Entry]] = {}
+        for e in entries:
+            by_key.setdefault(e.key, []).append(e)
+        for key, items in by_key.items():
+            ids = sorted((e.entry_id for e in items), key=_id_tuple)
+            rows = client.xpending_range(
+                key, group, min=ids[0], max=ids[-1], count=len(ids) * 2 + 10,
+                consumername=consumer,
+            )
+            for row in rows:
+                counts[(key, _text(row["message_id"]))] = int(row["times_delivered"])
+    return [
+        Entry(e.key, e.entry_id, e.fields, counts.get((e.key, e.entry_id), e.deliveries))
+        for e in entries
+    ]
+
+
+def ack(client: redis.Redis, group: str, entries: list[Entry]) -> None:
+    """``XACK`` the entries, one command per stream, pipelined."""
+    if not entries:
+        return
+    by_key: dict[str, list[str]] = {}
+    for e in entries:
+        by_key.setdefault(e.key, []).append(e.entry_id)
+    with translate_redis_errors():
+        pipe = client.pipeline(transaction=False)
+        for key, ids in by_key.items():
+            pipe.xack(key, group, *ids)
+        pipe.execute()
+
+
+def dead_letter(
+    client: redis.Redis,
+    prefix: str,
+    items: list[tuple[Entry, str, str]],
+    group: str,
+    consumer: str,
+) -> None:
+    """Copy each ``(entry, reason code, message)`` with its original fields to the dead-letter
+    stream of its partition. Written before the entry is acknowledged, so a crash in between
+    leaves a second copy, never none."""
+    if not items:
+        return
+    with translate_redis_errors():
+        pipe = client.pipeline(transaction=False)
+        for entry, reason, message in items:
+            parsed = keys.parse_stream_key(prefix, entry.key)
+            dlq = keys.dead_letter_key(prefix, *parsed) if parsed else f"{entry.key}:dead"
+            fields: dict[bytes | str, bytes | str] = dict(entry.fields or {})
+            fields.update(
+                {
+                    "dlq.reason": reason,
+                    "dlq.message": message,
+                    "dlq.stream": entry.key,
+                    "dlq.entry_id": entry.entry_id,
+                    "dlq.group": group,
+                    "dlq.consumer": consumer,
+                    "dlq.deliveries": str(entry.deliveries),
+                    "dlq.time_ms": str(int(time.time() * 1000)),
+                }
+            )
+            pipe.xadd(dlq, fields)  # type: ignore[arg-type]
+        pipe.execute()
+
+
+def partition_keys(prefix: str, streams: list[str], partitions: int) -> list[str]:
+    """Every partition stream key of the given logical streams."""
+    return [keys.stream_key(prefix, s, p) for s in streams for p in range(partitions)]
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _id_tuple(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)

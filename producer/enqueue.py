@@ -1,0 +1,175 @@
+"""``enqueue``: add an event to the outbox inside the caller's transaction.
+
+The row commits or rolls back with the caller's business writes: that is the whole point. The
+insert is ``INSERT … ON CONFLICT (event_id) DO NOTHING RETURNING seq`` so a duplicate event id is
+reported as :class:`DuplicateEventError` without aborting the caller's PostgreSQL transaction;
+on PostgreSQL the same statement calls ``pg_notify`` (delivered only on commit) to wake relays.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import Connection, Executable, func, select
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
+from sqlalchemy.orm import Session
+
+from shared import keys
+from shared.db import now_ms
+from shared.envelope import DEFAULT_MAX_DATA_BYTES
+from shared.errors import DuplicateEventError, InvalidEventError
+from shared.schema import outbox
+
+_TRACEPARENT = re.compile(r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$")
+_TYPE = re.compile(r"^[A-Za-z0-9_.:\-/]{1,256}$")
+
+
+def event_id_for(aggregate_id: str, kind: str, revision: int) -> str:
+    """The deterministic id of the event of one mutation: ``{aggregate_id}:{kind}:{revision}``.
+
+    Enqueuing the same mutation twice hits the unique key instead of adding a second event.
+    """
+    return f"{aggregate_id}:{kind}:{revision}"
+
+
+@dataclass(frozen=True)
+class Producer:
+    """Enqueues events; holds what every event of this service shares.
+
+    ``partitions`` must equal the relays' and consumers' ``OUTBOX_PARTITIONS``.
+    """
+
+    source: str = "outbox-relay"
+    partitions: int = 4
+    key_prefix: str = keys.DEFAULT_PREFIX
+    max_data_bytes: int = DEFAULT_MAX_DATA_BYTES
+
+    def enqueue(self, conn: Connection | Session, **event: Any) -> str:
+        """Insert one event in ``conn``'s open transaction and return its id.
+
+        Keyword arguments are those of :meth:`build`. Raises :class:`DuplicateEventError`
+        if the id exists, :class:`InvalidEventError` for a malformed event.
+        """
+        connection = conn.connection() if isinstance(conn, Session) else conn
+        event_id, stmt = self.build(postgres=connection.dialect.name == "postgresql", **event)
+        if connection.execute(stmt).first() is None:
+            raise DuplicateEventError(f"event {event_id!r} was already enqueued")
+        return event_id
+
+    async def enqueue_async(self, conn: AsyncConnection | AsyncSession, **event: Any) -> str:
+        """The same as :meth:`enqueue` for an ``AsyncConnection`` or ``AsyncSession``."""
+        connection = await conn.connection() if isinstance(conn, AsyncSession) else conn
+        event_id, stmt = self.build(postgres=connection.dialect.name == "postgresql", **event)
+        if (await connection.execute(stmt)).first() is None:
+            raise DuplicateEventError(f"event {event_id!r} was already enqueued")
+        return event_id
+
+    def build(
+        self,
+        *,
+        postgres: bool,
+        type: str,
+        stream: str,
+        data: Any = None,
+        aggregate_type: str | None = None,
+        aggregate_id: str | None = None,
+        revision: int | None = None,
+        event_id: str | None = None,
+        traceparent: str | None = None,
+        delay_ms: int = 0,
+    ) -> tuple[str, Executable]:
+        """Validate an event and return its id and the insert statement.
+
+        The id is ``event_id`` if given, else deterministic when aggregate id and revision are
+        given, else a random UUID (then only the caller can deduplicate).
+        """
+        row = self._row(
+            type=type,
+            stream=stream,
+            data=data,
+            aggregate_type=aggregate_type,
+            aggregate_id=aggregate_id,
+            revision=revision,
+            event_id=event_id,
+            traceparent=traceparent,
+            delay_ms=delay_ms,
+        )
+        if postgres:
+            ins = postgresql.insert(outbox).values(row).on_conflict_do_nothing(
+                index_elements=["event_id"]
+            )
+            cte = ins.returning(outbox.c.seq).cte("ins")
+            channel = keys.notify_channel(self.key_prefix)
+            stmt: Executable = select(
+                cte.c.seq, func.pg_notify(channel, str(row["partition"]))
+            ).select_from(cte)
+        else:
+            stmt = (
+                sqlite.insert(outbox)
+                .values(row)
+                .on_conflict_do_nothing(index_elements=["event_id"])
+                .returning(outbox.c.seq)
+            )
+        return row["event_id"], stmt
+
+    def _row(
+        self,
+        *,
+        type: str,
+        stream: str,
+        data: Any,
+        aggregate_type: str | None,
+        aggregate_id: str | None,
+        revision: int | None,
+        event_id: str | None,
+        traceparent: str | None,
+        delay_ms: int,
+    ) -> dict[str, Any]:
+        if not _TYPE.match(type or ""):
+            raise InvalidEventError("type must be 1-256 characters of [A-Za-z0-9_.:-/]")
+        try:
+            keys.check_name("stream", stream)
+        except Exception:
+            raise InvalidEventError("stream must be 1-64 characters of [A-Za-z0-9_.-]") from None
+        if revision is not None and (not isinstance(revision, int) or revision < 0):
+            raise InvalidEventError("revision must be a non-negative integer", code="bad_revision")
+        if traceparent is not None and not _TRACEPARENT.match(traceparent):
+            raise InvalidEventError("traceparent is not a W3C trace context", code="bad_field")
+        if delay_ms < 0:
+            raise InvalidEventError("delay_ms must not be negative", code="bad_field")
+        try:
+            payload = json.dumps(data, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+        except (TypeError, ValueError):
+            raise InvalidEventError("data must be JSON-serializable", code="bad_json") from None
+        if len(payload.encode("utf-8")) > self.max_data_bytes:
+            raise InvalidEventError(
+                f"data is larger than {self.max_data_bytes} bytes", code="data_too_large"
+            )
+        if event_id is None:
+            if aggregate_id is not None and revision is not None:
+                event_id = event_id_for(aggregate_id, type, revision)
+            else:
+                event_id = str(uuid.uuid4())
+        if not 0 < len(event_id) <= 512:
+            raise InvalidEventError("event id must be 1-512 characters", code="bad_field")
+        now = now_ms()
+        part_key = aggregate_id if aggregate_id is not None else event_id
+        return {
+            "event_id": event_id,
+            "stream": stream,
+            "partition": keys.partition_for(part_key, self.partitions),
+            "aggregate_type": aggregate_type,
+            "aggregate_id": aggregate_id,
+            "revision": revision,
+            "type": type,
+            "source": self.source,
+            "payload": payload,
+            "headers": json.dumps({"traceparent": traceparent} if traceparent else {}),
+            "created_at_ms": now,
+            "available_at_ms": now + delay_ms,
+        }

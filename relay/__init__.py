@@ -1,0 +1,1 @@
+"""Relay: moves committed outbox rows into Redis Streams exactly once per event."""

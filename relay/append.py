@@ -1,0 +1,136 @@
+"""Every Redis command of the relay: pipelined ``XADD`` with explicit ids and its verdicts.
+
+``append`` sends one partition's batch as a non-transactional pipeline and sorts each row into
+``delivered`` (Redis holds it under its id), ``gaps`` (its id fell behind the stream's top and
+the entry is not there: it must be republished at the top) or ``failed`` (an error to retry).
+A connection error or timeout raises :class:`UnavailableError`: the outcome is unknown, nothing
+may be marked, and the retry with the same ids is what tells the cases apart.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+import redis
+
+from relay.store import OutboxRow
+from shared import keys
+from shared.envelope import Event
+from shared.redis_conn import translate_redis_errors
+
+log = logging.getLogger(__name__)
+
+TOO_SMALL = "equal or smaller than the target stream top item"
+
+
+@dataclass
+class Verdicts:
+    """What Redis said about each row of a batch."""
+
+    delivered: list[tuple[int, str]] = field(default_factory=list)
+    already: int = 0
+    gaps: list[int] = field(default_factory=list)
+    failed: list[tuple[int, str]] = field(default_factory=list)
+
+
+def to_fields(row: OutboxRow) -> dict[str, str]:
+    """The CloudEvents fields of a row (see ``shared.envelope``)."""
+    headers = json.loads(row.headers) if row.headers else {}
+    event = Event(
+        id=row.event_id,
+        source=row.source,
+        type=row.type,
+        time=datetime.fromtimestamp(row.created_at_ms / 1000, tz=UTC),
+        subject=row.aggregate_id,
+        data=json.loads(row.payload),
+        aggregatetype=row.aggregate_type,
+        aggregateid=row.aggregate_id,
+        revision=row.revision,
+        traceparent=headers.get("traceparent"),
+    )
+    return event.to_fields()
+
+
+def append(
+    client: redis.Redis, prefix: str, rows: list[OutboxRow], maxlen: int = 0
+) -> Verdicts:
+    """``XADD key <entry id> fields…`` for each row, pipelined; classify every answer."""
+    verdicts = Verdicts()
+    if not rows:
+        return verdicts
+    with translate_redis_errors():
+        pipe = client.pipeline(transaction=False)
+        for row in rows:
+            key = keys.stream_key(prefix, row.stream, row.partition)
+            pipe.xadd(
+                key,
+                to_fields(row),  # type: ignore[arg-type]
+                id=row.entry_id,
+                maxlen=maxlen or None,
+                approximate=True,
+            )
+        answers = pipe.execute(raise_on_error=False)
+        for row, answer in zip(rows, answers, strict=True):
+            _classify(client, prefix, row, answer, verdicts)
+    return verdicts
+
+
+def _classify(
+    client: redis.Redis, prefix: str, row: OutboxRow, answer: object, verdicts: Verdicts
+) -> None:
+    if not isinstance(answer, Exception):
+        verdicts.delivered.append((row.seq, row.entry_id))
+        return
+    if isinstance(answer, redis.ResponseError) and TOO_SMALL in str(answer):
+        if already_there(client, prefix, row):
+            verdicts.delivered.append((row.seq, row.entry_id))
+            verdicts.already += 1
+        else:
+            log.warning("ordering gap: event %s republished at the stream top", row.event_id)
+            verdicts.gaps.append(row.seq)
+        return
+    if isinstance(answer, redis.ConnectionError | redis.TimeoutError):
+        raise answer
+    code = _error_code(answer)
+    log.warning("append of event %s failed: %s", row.event_id, code)
+    verdicts.failed.append((row.seq, code))
+
+
+def already_there(client: redis.Redis, prefix: str, row: OutboxRow) -> bool:
+    """``XRANGE key id id``: is this exact event already stored under its entry id?"""
+    key = keys.stream_key(prefix, row.stream, row.partition)
+    found = client.xrange(key, row.entry_id, row.entry_id)
+    if not found:
+        return False
+    _id, fields = found[0]
+    return bool(fields.get(b"id") == row.event_id.encode("utf-8"))
+
+
+def _error_code(answer: object) -> str:
+    text = str(answer)
+    if text.startswith("OOM"):
+        return "redis_oom"
+    if text.startswith(("NOPERM", "NOAUTH")):
+        return "redis_acl"
+    if text.startswith("WRONGTYPE"):
+        return "redis_wrongtype"
+    if text.startswith(("READONLY", "MASTERDOWN", "LOADING")):
+        return "redis_not_ready"
+    return "redis_error"
+
+
+def durability_barrier(
+    client: redis.Redis, replicas: int, timeout_ms: int, aof: bool
+) -> bool:
+    """``WAIT`` / ``WAITAOF`` before marking; False when fewer copies than asked confirmed."""
+    with translate_redis_errors():
+        if replicas > 0 and int(client.wait(replicas, timeout_ms)) < replicas:
+            return False
+        if aof:
+            local, _remote = client.execute_command("WAITAOF", 1, replicas, timeout_ms)
+            if int(local) < 1:
+                return False
+    return True

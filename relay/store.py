@@ -1,0 +1,258 @@
+"""Every SQL statement of the relay: partition leases, claiming, marking (SQLAlchemy Core).
+
+Each public function runs one short transaction and returns plain data; none is ever held open
+across a Redis call. Every write that depends on owning a partition re-checks the lease's owner
+and fencing epoch in the same transaction, so a relay that lost its lease cannot mark anything.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import Connection, Engine, bindparam, delete, func, select, update
+from sqlalchemy.dialects import postgresql, sqlite
+
+from relay import entry_ids
+from shared.db import is_postgres, translate_errors
+from shared.errors import LeaseLostError
+from shared.schema import outbox, relay_leases, relay_nodes
+
+
+@dataclass(frozen=True)
+class OutboxRow:
+    """A claimed row, with the entry id it must be appended under."""
+
+    seq: int
+    event_id: str
+    stream: str
+    partition: int
+    aggregate_type: str | None
+    aggregate_id: str | None
+    revision: int | None
+    type: str
+    source: str
+    payload: str
+    headers: str
+    created_at_ms: int
+    entry_id: str
+
+
+def _upsert(conn: Connection) -> Any:
+    return postgresql.insert if is_postgres(conn) else sqlite.insert
+
+
+def acquire_leases(
+    engine: Engine, node_id: str, partitions: int, ttl_ms: int, now: int
+) -> dict[int, int]:
+    """Heartbeat this node and take its fair share of partitions; return ``{partition: epoch}``.
+
+    Fair share is ``ceil(partitions / live nodes)``. A node above its share releases the extra
+    partitions; a node below it takes free or expired ones, bumping their epoch (the fence).
+    """
+    with translate_errors(), engine.begin() as conn:
+        ins = _upsert(conn)
+        conn.execute(
+            ins(relay_nodes)
+            .values(node_id=node_id, expires_at_ms=now + ttl_ms)
+            .on_conflict_do_update(
+                index_elements=["node_id"], set_={"expires_at_ms": now + ttl_ms}
+            )
+        )
+        conn.execute(delete(relay_nodes).where(relay_nodes.c.expires_at_ms < now - 10 * ttl_ms))
+        live = conn.execute(
+            select(func.count()).where(relay_nodes.c.expires_at_ms > now)
+        ).scalar_one()
+        conn.execute(
+            ins(relay_leases).on_conflict_do_nothing(index_elements=["partition"]),
+            [
+                {"partition": p, "owner": None, "epoch": 0, "expires_at_ms": 0,
+                 "last_entry_id": entry_ids.ZERO}
+                for p in range(partitions)
+            ],
+        )
+        query = select(relay_leases).where(relay_leases.c.partition < partitions)
+        if is_postgres(conn):
+            query = query.with_for_update()
+        rows = conn.execute(query.order_by(relay_leases.c.partition)).all()
+        return _rebalance(conn, rows, node_id, math.ceil(partitions / max(live, 1)), ttl_ms, now)
+
+
+def _rebalance(
+    conn: Connection, rows: Any, node_id: str, fair: int, ttl_ms: int, now: int
+) -> dict[int, int]:
+    mine = [r for r in rows if r.owner == node_id and r.expires_at_ms > now]
+    free = [r for r in rows if r.owner is None or r.expires_at_ms <= now]
+    held: dict[int, int] = {}
+    for r in mine[:fair]:
+        conn.execute(
+            update(relay_leases)
+            .where(relay_leases.c.partition == r.partition, relay_leases.c.epoch == r.epoch)
+            .values(expires_at_ms=now + ttl_ms)
+        )
+        held[r.partition] = r.epoch
+    for r in mine[fair:]:
+        conn.execute(
+            update(relay_leases)
+            .where(relay_leases.c.partition == r.partition, relay_leases.c.epoch == r.epoch)
+            .values(owner=None, expires_at_ms=0)
+        )
+    for r in free[: max(fair - len(held), 0)]:
+        result = conn.execute(
+            update(relay_leases)
+            .where(relay_leases.c.partition == r.partition, relay_leases.c.epoch == r.epoch)
+            .values(owner=node_id, epoch=r.epoch + 1, expires_at_ms=now + ttl_ms)
+        )
+        if result.rowcount == 1:
+            held[r.partition] = r.epoch + 1
+    return held
+
+
+def release_leases(engine: Engine, node_id: str, leases: dict[int, int]) -> None:
+    """Give our partitions back at shutdown so another relay need not wait for expiry."""
+    with translate_errors(), engine.begin() as conn:
+        for partition, epoch in leases.items():
+            conn.execute(
+                update(relay_leases)
+                .where(
+                    relay_leases.c.partition == partition,
+                    relay_leases.c.owner == node_id,
+                    relay_leases.c.epoch == epoch,
+                )
+                .values(owner=None, expires_at_ms=0)
+            )
+        conn.execute(delete(relay_nodes).where(relay_nodes.c.node_id == node_id))
+
+
+def _check_lease(
+    conn: Connection, partition: int, node_id: str, epoch: int, now: int, ttl_ms: int
+) -> None:
+    result = conn.execute(
+        update(relay_leases)
+        .where(
+            relay_leases.c.partition == partition,
+            relay_leases.c.owner == node_id,
+            relay_leases.c.epoch == epoch,
+            relay_leases.c.expires_at_ms > now,
+        )
+        .values(expires_at_ms=now + ttl_ms)
+    )
+    if result.rowcount != 1:
+        raise LeaseLostError(f"partition {partition} is no longer ours (epoch {epoch})")
+
+
+def claim(
+    engine: Engine,
+    partition: int,
+    node_id: str,
+    epoch: int,
+    batch_size: int,
+    ttl_ms: int,
+    now: int,
+) -> list[OutboxRow]:
+    """Claim the next undelivered rows of a partition in ``seq`` order and give each an id.
+
+    Rows that already carry an entry id (an earlier attempt whose outcome is unknown) keep it,
+    so their retry cannot duplicate. New ids are greater than the last one assigned for this
+    partition, which the lease row remembers. Raises :class:`LeaseLostError` when fenced out.
+    """
+    with translate_errors(), engine.begin() as conn:
+        _check_lease(conn, partition, node_id, epoch, now, ttl_ms)
+        last = conn.execute(
+            select(relay_leases.c.last_entry_id).where(relay_leases.c.partition == partition)
+        ).scalar_one()
+        rows = conn.execute(
+            select(outbox)
+            .where(
+                outbox.c.partition == partition,
+                outbox.c.delivered_at_ms.is_(None),
+                outbox.c.available_at_ms <= now,
+            )
+            .order_by(outbox.c.seq)
+            .limit(batch_size)
+        ).all()
+        fresh = [r for r in rows if r.entry_id is None]
+        if fresh:
+            ids = entry_ids.next_ids(last, len(fresh), now)
+            assigned = dict(zip((r.seq for r in fresh), ids, strict=True))
+            conn.execute(
+                update(outbox)
+                .where(outbox.c.seq == bindparam("b_seq"))
+                .values(entry_id=bindparam("b_entry_id")),
+                [{"b_seq": s, "b_entry_id": i} for s, i in assigned.items()],
+            )
+            conn.execute(
+                update(relay_leases)
+                .where(relay_leases.c.partition == partition, relay_leases.c.epoch == epoch)
+                .values(last_entry_id=ids[-1])
+            )
+        else:
+            assigned = {}
+        return [_to_row(r, assigned.get(r.seq, r.entry_id)) for r in rows]
+
+
+def _to_row(r: Any, entry_id: str) -> OutboxRow:
+    return OutboxRow(
+        seq=r.seq, event_id=r.event_id, stream=r.stream, partition=r.partition,
+        aggregate_type=r.aggregate_type, aggregate_id=r.aggregate_id, revision=r.revision,
+        type=r.type, source=r.source, payload=r.payload, headers=r.headers,
+        created_at_ms=r.created_at_ms, entry_id=entry_id,
+    )
+
+
+def settle(
+    engine: Engine,
+    partition: int,
+    node_id: str,
+    epoch: int,
+    ttl_ms: int,
+    now: int,
+    *,
+    delivered: list[tuple[int, str]],
+    gaps: list[int],
+    failed: list[tuple[int, str]],
+) -> None:
+    """Record what Redis said, in one transaction, only while our epoch is current.
+
+    ``delivered``: ``(seq, entry_id)`` Redis holds. ``gaps``: rows whose id fell behind the
+    stream's top without being there: they get a fresh id at the next claim. ``failed``:
+    ``(seq, error code)`` to retry later.
+    """
+    with translate_errors(), engine.begin() as conn:
+        _check_lease(conn, partition, node_id, epoch, now, ttl_ms)
+        if delivered:
+            conn.execute(
+                update(outbox)
+                .where(outbox.c.seq == bindparam("b_seq"), outbox.c.delivered_at_ms.is_(None))
+                .values(
+                    delivered_at_ms=now,
+                    entry_id=bindparam("b_entry_id"),
+                    attempts=outbox.c.attempts + 1,
+                    last_error=None,
+                ),
+                [{"b_seq": s, "b_entry_id": e} for s, e in delivered],
+            )
+        if gaps:
+            conn.execute(
+                update(outbox)
+                .where(outbox.c.seq.in_(gaps), outbox.c.delivered_at_ms.is_(None))
+                .values(entry_id=None, attempts=outbox.c.attempts + 1, last_error="ordering_gap")
+            )
+        if failed:
+            conn.execute(
+                update(outbox)
+                .where(outbox.c.seq == bindparam("b_seq"))
+                .values(attempts=outbox.c.attempts + 1, last_error=bindparam("b_error")),
+                [{"b_seq": s, "b_error": c} for s, c in failed],
+            )
+
+
+def record_unknown(engine: Engine, seqs: list[int], code: str) -> None:
+    """Note an attempt whose outcome Redis never told us (the rows keep their entry ids)."""
+    with translate_errors(), engine.begin() as conn:
+        conn.execute(
+            update(outbox)
+            .where(outbox.c.seq.in_(seqs), outbox.c.delivered_at_ms.is_(None))
+            .values(attempts=outbox.c.attempts + 1, last_error=code)
+        )

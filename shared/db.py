@@ -1,0 +1,159 @@
+"""Database engines, schema version checks and error wrapping.
+
+SQLite is opened the way a durable queue needs it: WAL journal, ``synchronous=FULL``, foreign
+keys on, a busy timeout, and ``BEGIN IMMEDIATE`` for every transaction so that two writers
+serialize at ``BEGIN`` instead of failing at the first write. PostgreSQL uses psycopg 3.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from alembic import command
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from sqlalchemy import Connection, Engine, create_engine, event, exc, inspect
+from sqlalchemy.engine import make_url
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+
+from shared.errors import OutboxError, SchemaNotReadyError, SchemaTooNewError, UnavailableError
+from shared.redaction import redact_url
+
+log = logging.getLogger(__name__)
+
+MIGRATIONS = Path(__file__).with_name("migrations")
+VERSION_TABLE = "outbox_schema_version"
+SQLITE_BUSY_TIMEOUT_MS = 30_000
+
+
+def now_ms() -> int:
+    """Wall-clock epoch milliseconds: the unit of every ``*_ms`` column."""
+    return time.time_ns() // 1_000_000
+
+
+def make_engine(url: str, **kwargs: Any) -> Engine:
+    """A sync engine with our SQLite pragmas or PostgreSQL defaults applied."""
+    parsed = make_url(url)
+    if parsed.get_backend_name() == "sqlite":
+        engine = create_engine(parsed, **kwargs)
+        _tune_sqlite(engine)
+        return engine
+    kwargs.setdefault("pool_pre_ping", True)
+    kwargs.setdefault("connect_args", {"connect_timeout": 10})
+    return create_engine(parsed, **kwargs)
+
+
+def make_async_engine(url: str, **kwargs: Any) -> AsyncEngine:
+    """An async engine (aiosqlite or psycopg async) with the same settings."""
+    parsed = make_url(url)
+    if parsed.get_backend_name() == "sqlite":
+        parsed = parsed.set(drivername="sqlite+aiosqlite")
+        engine = create_async_engine(parsed, **kwargs)
+        _tune_sqlite(engine.sync_engine)
+        return engine
+    kwargs.setdefault("pool_pre_ping", True)
+    return create_async_engine(parsed, **kwargs)
+
+
+def _tune_sqlite(engine: Engine) -> None:
+    @event.listens_for(engine, "connect")
+    def _connect(dbapi_connection: Any, _record: Any) -> None:
+        # Let SQLAlchemy, not the driver, decide when transactions begin.
+        dbapi_connection.isolation_level = None
+        cursor = dbapi_connection.cursor()
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute("PRAGMA synchronous=FULL")
+        cursor.execute("PRAGMA foreign_keys=ON")
+        cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+        cursor.close()
+
+    @event.listens_for(engine, "begin")
+    def _begin(conn: Connection) -> None:
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+
+def is_postgres(conn: Connection | Engine) -> bool:
+    """True on PostgreSQL (NOTIFY, row locks); False on SQLite."""
+    return conn.dialect.name == "postgresql"
+
+
+def _alembic_config(conn: Connection) -> Config:
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS))
+    config.attributes["connection"] = conn
+    return config
+
+
+def code_head() -> str:
+    """The newest migration this code knows."""
+    script = ScriptDirectory(str(MIGRATIONS))
+    head = script.get_current_head()
+    assert head is not None
+    return head
+
+
+def database_revision(conn: Connection) -> str | None:
+    """The migration the database is at (``None`` when never migrated)."""
+    context = MigrationContext.configure(conn, opts={"version_table": VERSION_TABLE})
+    return context.get_current_revision()
+
+
+def check_schema(engine: Engine) -> None:
+    """Refuse a database that is newer than the code, or not yet migrated to it."""
+    with translate_errors(), engine.connect() as conn:
+        current = database_revision(conn)
+    known = {s.revision for s in ScriptDirectory(str(MIGRATIONS)).walk_revisions()}
+    if current is not None and current not in known:
+        raise SchemaTooNewError(
+            f"the database is at schema {current}, newer than this release "
+            f"(which knows up to {code_head()}); upgrade outbox-relay"
+        )
+    if current != code_head():
+        raise SchemaNotReadyError(
+            f"the database is at schema {current or 'none'}, this release needs "
+            f"{code_head()}; run `outbox db upgrade`"
+        )
+
+
+def upgrade(engine: Engine) -> str:
+    """Apply every pending migration; refuse a database newer than the code."""
+    with translate_errors(), engine.connect() as conn:
+        current = database_revision(conn)
+    known = {s.revision for s in ScriptDirectory(str(MIGRATIONS)).walk_revisions()}
+    if current is not None and current not in known:
+        raise SchemaTooNewError(
+            f"the database is at schema {current}, newer than this release; refusing to migrate"
+        )
+    with translate_errors(), engine.begin() as conn:
+        command.upgrade(_alembic_config(conn), "head")
+    return code_head()
+
+
+def table_names(engine: Engine) -> list[str]:
+    """Tables present in the database (diagnostics)."""
+    with translate_errors():
+        return sorted(inspect(engine).get_table_names())
+
+
+@contextlib.contextmanager
+def translate_errors(what: str = "database") -> Iterator[None]:
+    """Turn driver errors into :class:`UnavailableError` with our message.
+
+    The driver's text, which may include a URL or a statement, goes to the debug log only.
+    ``IntegrityError`` is left alone: callers turn it into a precise code.
+    """
+    try:
+        yield
+    except OutboxError:
+        raise
+    except exc.IntegrityError:
+        raise
+    except (exc.OperationalError, exc.InterfaceError, exc.DBAPIError, exc.TimeoutError) as err:
+        log.debug("%s error: %s", what, redact_url(str(err)))
+        raise UnavailableError(f"the {what} is unavailable or timed out") from err

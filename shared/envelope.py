@@ -1,0 +1,145 @@
+"""The event envelope: one frozen model, flat CloudEvents 1.0 string fields on the wire.
+
+A stream entry is a flat map of strings so that any Redis client in any language can read it::
+
+    specversion=1.0  id=<event id>  source=<service>  type=<kind>  time=<RFC 3339>
+    subject=<aggregate id>  datacontenttype=application/json  data=<JSON text>
+    aggregatetype=<type>  aggregateid=<id>  revision=<int>  [traceparent=<W3C>]
+
+The ``id`` is the idempotency key: consumers record it in their inbox.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from datetime import UTC, datetime
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from shared.errors import InvalidEventError
+
+SPECVERSION = "1.0"
+JSON_CONTENT_TYPE = "application/json"
+REQUIRED_FIELDS = ("specversion", "id", "source", "type", "time")
+MAX_ID_LENGTH = 512
+DEFAULT_MAX_DATA_BYTES = 1_048_576
+
+
+class Event(BaseModel):
+    """An event as it travels: built by the relay from an outbox row, parsed by consumers."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    id: str = Field(min_length=1, max_length=MAX_ID_LENGTH)
+    source: str = Field(min_length=1, max_length=256)
+    type: str = Field(min_length=1, max_length=256)
+    time: datetime
+    subject: str | None = None
+    datacontenttype: str = JSON_CONTENT_TYPE
+    data: Any = None
+    aggregatetype: str | None = None
+    aggregateid: str | None = None
+    revision: int | None = Field(default=None, ge=0)
+    traceparent: str | None = None
+
+    def to_fields(self) -> dict[str, str]:
+        """Flat string fields for ``XADD`` (absent optional attributes are left out)."""
+        fields = {
+            "specversion": SPECVERSION,
+            "id": self.id,
+            "source": self.source,
+            "type": self.type,
+            "time": self.time.astimezone(UTC).isoformat().replace("+00:00", "Z"),
+            "datacontenttype": self.datacontenttype,
+            "data": json.dumps(self.data, separators=(",", ":"), ensure_ascii=False),
+        }
+        optional = {
+            "subject": self.subject,
+            "aggregatetype": self.aggregatetype,
+            "aggregateid": self.aggregateid,
+            "revision": None if self.revision is None else str(self.revision),
+            "traceparent": self.traceparent,
+        }
+        fields.update({k: v for k, v in optional.items() if v is not None})
+        return fields
+
+    @classmethod
+    def from_fields(
+        cls,
+        raw: Mapping[bytes, bytes] | Mapping[str, str],
+        *,
+        max_data_bytes: int = DEFAULT_MAX_DATA_BYTES,
+    ) -> Event:
+        """Parse and validate a stream entry; raise :class:`InvalidEventError` with a reason."""
+        fields = _decode(raw)
+        if not fields:
+            raise InvalidEventError("the entry has no fields", code="empty_entry")
+        for name in REQUIRED_FIELDS:
+            if not fields.get(name):
+                raise InvalidEventError(f"field {name!r} is missing", code="missing_field")
+        if fields["specversion"] != SPECVERSION:
+            raise InvalidEventError("specversion must be 1.0", code="bad_specversion")
+        return cls._build(fields, max_data_bytes)
+
+    @classmethod
+    def _build(cls, fields: dict[str, str], max_data_bytes: int) -> Event:
+        text = fields.get("data")
+        if text is not None and len(text.encode("utf-8")) > max_data_bytes:
+            raise InvalidEventError(
+                f"data is larger than {max_data_bytes} bytes", code="data_too_large"
+            )
+        content_type = fields.get("datacontenttype", JSON_CONTENT_TYPE)
+        data: Any = text
+        if text is not None and content_type == JSON_CONTENT_TYPE:
+            try:
+                data = json.loads(text)
+            except ValueError:
+                raise InvalidEventError("data is not valid JSON", code="bad_json") from None
+        revision = fields.get("revision")
+        if revision is not None and not (revision.isascii() and revision.isdigit()):
+            raise InvalidEventError("revision must be a non-negative integer", code="bad_revision")
+        time = _parse_time(fields["time"])
+        known = set(cls.model_fields) - {"data", "revision", "time"}
+        try:
+            return cls(
+                **{k: v for k, v in fields.items() if k in known},
+                data=data,
+                time=time,
+                revision=None if revision is None else int(revision),
+            )
+        except ValueError as exc:
+            raise InvalidEventError(
+                f"invalid attribute: {_first_location(exc)}", code="bad_field"
+            ) from None
+
+
+def _decode(raw: Mapping[bytes, bytes] | Mapping[str, str]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for key, value in raw.items():
+        try:
+            k = key.decode("utf-8") if isinstance(key, bytes) else key
+            v = value.decode("utf-8") if isinstance(value, bytes) else value
+        except UnicodeDecodeError:
+            raise InvalidEventError("a field is not UTF-8 text", code="bad_encoding") from None
+        out[k] = v
+    return out
+
+
+def _parse_time(text: str) -> datetime:
+    try:
+        value = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        raise InvalidEventError("time is not RFC 3339", code="bad_field") from None
+    return value if value.tzinfo else value.replace(tzinfo=UTC)
+
+
+def _first_location(exc: ValueError) -> str:
+    errors = getattr(exc, "errors", None)
+    if callable(errors):
+        for item in errors():
+            loc = ".".join(str(p) for p in item.get("loc", ()))
+            if loc:
+                return loc
+    return "unknown"

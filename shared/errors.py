@@ -1,0 +1,112 @@
+"""One error tree for the whole system.
+
+Every failure a caller can see is an :class:`OutboxError` with a stable, machine-readable
+``code``. Driver errors (SQLAlchemy, psycopg, redis-py) are wrapped at the component boundary
+with ``raise ... from exc``: the public ``message`` is ours and never carries the driver's text
+or a credential; the original exception stays on ``__cause__`` for debug logs only.
+"""
+
+from __future__ import annotations
+
+
+class OutboxError(Exception):
+    """Root of every error this package raises on purpose."""
+
+    code: str = "error"
+
+    def __init__(self, message: str | None = None, *, code: str | None = None) -> None:
+        if code is not None:
+            self.code = code
+        self.message = message or self.code.replace("_", " ")
+        super().__init__(self.message)
+
+    def __str__(self) -> str:
+        return f"{self.code}: {self.message}"
+
+
+class ConflictError(OutboxError):
+    """A compare-and-set found another revision: someone else changed the row first."""
+
+    code = "conflict"
+
+
+class NotFoundError(OutboxError):
+    """The row (run, question, dead letter) does not exist."""
+
+    code = "not_found"
+
+
+class DuplicateEventError(OutboxError):
+    """An outbox row with this event id already exists; the mutation was enqueued before."""
+
+    code = "duplicate_event"
+
+
+class CorruptRecordError(OutboxError):
+    """A stored record does not parse, or its revision disagrees with its own column."""
+
+    code = "corrupt_record"
+
+
+class SchemaError(OutboxError):
+    """The database schema is not the one this code was written for."""
+
+    code = "schema_mismatch"
+
+
+class SchemaTooNewError(SchemaError):
+    """The database was migrated by a newer release; we refuse to guess at it."""
+
+    code = "schema_too_new"
+
+
+class SchemaNotReadyError(SchemaError):
+    """The database lacks tables or migrations; run ``outbox db upgrade``."""
+
+    code = "schema_not_ready"
+
+
+class UnavailableError(OutboxError):
+    """Redis or the database could not be reached or timed out; retrying may help."""
+
+    code = "unavailable"
+
+
+class InvalidEventError(OutboxError):
+    """An event (from a producer or read from a stream) breaks the wire contract.
+
+    ``code`` says which rule: ``missing_field``, ``bad_specversion``, ``bad_json``,
+    ``data_too_large``, ``bad_encoding``, ``bad_revision``, ``empty_entry``, ``bad_field``.
+    """
+
+    code = "invalid_event"
+
+
+class ConfigError(OutboxError):
+    """A setting is missing or malformed."""
+
+    code = "invalid_config"
+
+
+class LeaseLostError(OutboxError):
+    """Our lease (relay partition or run execution) was taken over; stop without writing."""
+
+    code = "lease_lost"
+
+
+class InvalidTransitionError(OutboxError):
+    """A status change the run state machine does not allow (never backward)."""
+
+    code = "invalid_transition"
+
+
+class IdempotencyConflictError(OutboxError):
+    """The idempotency key was used before with a different request."""
+
+    code = "idempotency_conflict"
+
+
+class InvalidRequestError(OutboxError):
+    """A caller's input failed validation."""
+
+    code = "invalid_request"

@@ -1,0 +1,23 @@
+"""Alembic environment: always run programmatically with a live connection.
+
+``shared.db.upgrade`` passes the connection in ``config.attributes["connection"]``, so the
+migrations use the same engine settings (SQLite pragmas, PostgreSQL URL) as the daemons.
+"""
+
+from __future__ import annotations
+
+from alembic import context
+
+from shared.schema import metadata
+
+VERSION_TABLE = "outbox_schema_version"
+
+connection = context.config.attributes["connection"]
+context.configure(
+    connection=connection,
+    target_metadata=metadata,
+    version_table=VERSION_TABLE,
+    render_as_batch=connection.dialect.name == "sqlite",
+)
+with context.begin_transaction():
+    context.run_migrations()

@@ -1,0 +1,56 @@
+"""Redis connection factory and error wrapping (redis-py with hiredis)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+
+import redis
+
+from shared.errors import ConfigError, UnavailableError
+from shared.redaction import redact_url
+
+log = logging.getLogger(__name__)
+
+
+def connect_redis(url: str, *, timeout_s: float = 5.0) -> redis.Redis:
+    """A client for ``url`` (``redis://``, ``rediss://``, ``unix://``) with bounded timeouts.
+
+    Responses stay ``bytes``: entry fields may hold anything a foreign producer wrote, and the
+    envelope parser decides what is valid UTF-8.
+    """
+    try:
+        return redis.Redis.from_url(
+            url,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=min(timeout_s, 5.0),
+            health_check_interval=30,
+            retry_on_timeout=False,
+        )
+    except ValueError as err:
+        raise ConfigError(f"invalid Redis URL {redact_url(url)}") from err
+
+
+@contextlib.contextmanager
+def translate_redis_errors() -> Iterator[None]:
+    """Map connection problems and timeouts to :class:`UnavailableError`.
+
+    A timeout is an *unknown outcome*: the command may or may not have run. Callers that write
+    must be able to tell afterwards (the relay does, by explicit entry ids).
+    """
+    try:
+        yield
+    except (redis.ConnectionError, redis.TimeoutError) as err:
+        log.debug("redis error: %s", redact_url(str(err)))
+        raise UnavailableError("Redis is unavailable or timed out") from err
+    except redis.AuthenticationError as err:
+        raise UnavailableError("Redis refused our credentials") from err
+    except redis.ResponseError as err:
+        if str(err).startswith(("NOPERM", "NOAUTH", "WRONGPASS")):
+            raise UnavailableError("Redis refused the command for our user (ACL)") from err
+        if str(err).startswith("NOGROUP"):
+            raise UnavailableError("the consumer group is missing (did Redis lose data?)") from err
+        if str(err).startswith(("LOADING", "BUSY ", "MASTERDOWN", "READONLY")):
+            raise UnavailableError("Redis is not ready (loading, busy or read-only)") from err
+        raise

@@ -1,0 +1,123 @@
+"""The reference schema (SQLAlchemy Core), identical on SQLite and PostgreSQL.
+
+Times are integer epoch milliseconds (``*_ms``): comparisons are exact and portable, and no
+driver guesses at time zones. Alembic migrations in ``shared/migrations`` build exactly this
+schema; a test compares the two.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import (
+    BigInteger,
+    Column,
+    Index,
+    Integer,
+    MetaData,
+    PrimaryKeyConstraint,
+    String,
+    Table,
+    Text,
+    text,
+)
+
+# SQLite only autoincrements an INTEGER PRIMARY KEY; PostgreSQL gets a BIGINT identity.
+SeqType = BigInteger().with_variant(Integer(), "sqlite")
+
+metadata = MetaData(
+    naming_convention={
+        "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+        "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+        "pk": "pk_%(table_name)s",
+    }
+)
+
+runs = Table(
+    "outbox_runs",
+    metadata,
+    Column("id", String(128), primary_key=True),
+    Column("revision", BigInteger, nullable=False),
+    Column("status", String(32), nullable=False),
+    Column("record", Text, nullable=False),
+    Column("lease_owner", String(128)),
+    Column("lease_expires_at_ms", BigInteger),
+    Column("attempts", Integer, nullable=False, server_default=text("0")),
+    Column("created_at_ms", BigInteger, nullable=False),
+    Column("updated_at_ms", BigInteger, nullable=False),
+    Index("ix_outbox_runs_status_lease", "status", "lease_expires_at_ms"),
+)
+
+outbox = Table(
+    "outbox_events",
+    metadata,
+    Column("seq", SeqType, primary_key=True, autoincrement=True),
+    Column("event_id", String(512), nullable=False, unique=True),
+    Column("stream", String(64), nullable=False),
+    Column("partition", Integer, nullable=False),
+    Column("aggregate_type", String(128)),
+    Column("aggregate_id", String(256)),
+    Column("revision", BigInteger),
+    Column("type", String(256), nullable=False),
+    Column("source", String(256), nullable=False),
+    Column("payload", Text, nullable=False),
+    Column("headers", Text, nullable=False),
+    Column("created_at_ms", BigInteger, nullable=False),
+    Column("available_at_ms", BigInteger, nullable=False),
+    Column("attempts", Integer, nullable=False, server_default=text("0")),
+    Column("entry_id", String(48)),
+    Column("delivered_at_ms", BigInteger),
+    Column("last_error", String(64)),
+    Index(
+        "ix_outbox_events_pending",
+        "partition",
+        "seq",
+        postgresql_where=text("delivered_at_ms IS NULL"),
+        sqlite_where=text("delivered_at_ms IS NULL"),
+    ),
+    Index("ix_outbox_events_stream_entry", "stream", "partition", "entry_id"),
+    sqlite_autoincrement=True,
+)
+
+inbox = Table(
+    "outbox_inbox",
+    metadata,
+    Column("group_name", String(64), nullable=False),
+    Column("event_id", String(512), nullable=False),
+    Column("event_type", String(256)),
+    Column("aggregate_type", String(128)),
+    Column("aggregate_id", String(256)),
+    Column("revision", BigInteger),
+    Column("stream_key", String(256), nullable=False),
+    Column("entry_id", String(48), nullable=False),
+    Column("outcome", String(16), nullable=False),
+    Column("reason", String(64)),
+    Column("duplicates", Integer, nullable=False, server_default=text("0")),
+    Column("created_at_ms", BigInteger, nullable=False),
+    PrimaryKeyConstraint("group_name", "event_id"),
+)
+
+inbox_heads = Table(
+    "outbox_inbox_heads",
+    metadata,
+    Column("group_name", String(64), nullable=False),
+    Column("aggregate_type", String(128), nullable=False),
+    Column("aggregate_id", String(256), nullable=False),
+    Column("revision", BigInteger, nullable=False),
+    PrimaryKeyConstraint("group_name", "aggregate_type", "aggregate_id"),
+)
+
+relay_leases = Table(
+    "outbox_relay_leases",
+    metadata,
+    Column("partition", Integer, primary_key=True, autoincrement=False),
+    Column("owner", String(128)),
+    Column("epoch", BigInteger, nullable=False),
+    Column("expires_at_ms", BigInteger, nullable=False),
+    Column("last_entry_id", String(48), nullable=False),
+)
+
+relay_nodes = Table(
+    "outbox_relay_nodes",
+    metadata,
+    Column("node_id", String(128), primary_key=True),
+    Column("expires_at_ms", BigInteger, nullable=False),
+)
