@@ -197,7 +197,7 @@ def _summary(engine: Engine, client: redis.Redis, settings: CommonSettings, stam
         created = conn.execute(select(func.count()).where(runs.c.id.like(like))).scalar_one()
         delivered = conn.execute(select(func.count()).where(
             outbox.c.event_id.like(like), outbox.c.delivered_at_ms.is_not(None))).scalar_one()
-        outcomes = dict(conn.execute(
+        outcomes: dict[str, int] = dict(conn.execute(  # type: ignore[arg-type]
             select(inbox.c.outcome, func.count()).where(
                 inbox.c.group_name == "demo", inbox.c.event_id.like(like)
             ).group_by(inbox.c.outcome)).all())

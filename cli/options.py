@@ -26,7 +26,7 @@ def add_settings_flags(parser: argparse.ArgumentParser, model: type[BaseModel]) 
                 help=help_text,
             )
         else:
-            kind = field.annotation if field.annotation in (int, float) else str
+            kind: type = field.annotation if field.annotation in (int, float) else str  # type: ignore[assignment]
             group.add_argument(flag, dest=name, type=kind, default=None, help=help_text,
                                metavar=name.upper())
 

@@ -25,13 +25,14 @@ def collect(engine: Engine, client: redis.Redis, prefix: str) -> dict[str, Any]:
         delivered = conn.execute(
             select(func.count()).where(outbox.c.delivered_at_ms.is_not(None))
         ).scalar_one()
-        errors = dict(
-            conn.execute(
+        errors: dict[str, int] = {
+            code: count
+            for code, count in conn.execute(
                 select(outbox.c.last_error, func.count())
                 .where(outbox.c.delivered_at_ms.is_(None), outbox.c.last_error.is_not(None))
                 .group_by(outbox.c.last_error)
             ).all()
-        )
+        }
     return {
         "outbox": {
             "undelivered": backlog,

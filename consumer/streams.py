@@ -6,6 +6,7 @@ import logging
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import redis
 
@@ -55,7 +56,9 @@ def read(
     """``XREADGROUP`` from ``{key: start}``: ``">"`` for new entries, an id for our own
     pending entries after it (their delivery counters come from ``XPENDING``)."""
     with translate_redis_errors():
-        reply = client.xreadgroup(group, consumer, starts, count=count, block=block_ms)  # type: ignore[arg-type]
+        reply: Any = client.xreadgroup(
+            group, consumer, starts, count=count, block=block_ms  # type: ignore[arg-type]
+        )
     entries = [
         Entry(_text(key), _text(entry_id), fields or None)
         for key, items in (reply or [])
@@ -112,7 +115,7 @@ def with_delivery_counts(
             by_key.setdefault(e.key, []).append(e)
         for key, items in by_key.items():
             ids = sorted((e.entry_id for e in items), key=_id_tuple)
-            rows = client.xpending_range(
+            rows: Any = client.xpending_range(
                 key, group, min=ids[0], max=ids[-1], count=len(ids) * 2 + 10,
                 consumername=consumer,
             )
@@ -155,7 +158,7 @@ def dead_letter(
         for entry, reason, message in items:
             parsed = keys.parse_stream_key(prefix, entry.key)
             dlq = keys.dead_letter_key(prefix, *parsed) if parsed else f"{entry.key}:dead"
-            fields: dict[bytes | str, bytes | str] = dict(entry.fields or {})
+            fields: dict[Any, Any] = dict(entry.fields or {})
             fields.update(
                 {
                     "dlq.reason": reason,
@@ -168,7 +171,7 @@ def dead_letter(
                     "dlq.time_ms": str(int(time.time() * 1000)),
                 }
             )
-            pipe.xadd(dlq, fields)  # type: ignore[arg-type]
+            pipe.xadd(dlq, fields)
         pipe.execute()
 
 

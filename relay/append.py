@@ -106,7 +106,7 @@ def already_there(client: redis.Redis, prefix: str, row: OutboxRow) -> bool:
     if not found:
         return False
     _id, fields = found[0]
-    return bool(fields.get(b"id") == row.event_id.encode("utf-8"))
+    return bool(fields and fields.get(b"id") == row.event_id.encode("utf-8"))
 
 
 def _error_code(answer: object) -> str:
@@ -130,7 +130,8 @@ def durability_barrier(
         if replicas > 0 and int(client.wait(replicas, timeout_ms)) < replicas:
             return False
         if aof:
-            local, _remote = client.execute_command("WAITAOF", 1, replicas, timeout_ms)
+            reply = client.execute_command("WAITAOF", 1, replicas, timeout_ms)  # type: ignore[no-untyped-call]
+            local = reply[0]
             if int(local) < 1:
                 return False
     return True

@@ -35,3 +35,5 @@ def configure_logging(level: str) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+    # Alembic reports every schema check at INFO; that is noise in a daemon's log.
+    logging.getLogger("alembic").setLevel(max(root.level, logging.WARNING))

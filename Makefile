@@ -1,0 +1,54 @@
+# outbox-relay: the two quickstart commands are `make demo` and `make test`.
+# Everything installs into ./.venv from PyPI; nothing else is needed but Python >= 3.11
+# and a Redis (the demo starts its own redis-server if none answers and the binary exists).
+
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed-stamp
+
+.PHONY: install demo test lint typecheck unit integration acceptance bench bench-quick torture torture-short clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: install
+	$(BIN)/outbox demo
+
+lint: install
+	$(BIN)/ruff check .
+
+typecheck: install
+	$(BIN)/mypy
+
+test: lint typecheck
+	$(BIN)/pytest
+
+unit: install
+	$(BIN)/pytest tests/unit
+
+integration: install
+	$(BIN)/pytest tests/integration
+
+acceptance: install
+	$(BIN)/pytest tests/acceptance
+
+bench: install
+	$(BIN)/python -m bench
+
+bench-quick: install
+	$(BIN)/python -m bench --quick
+
+torture: install
+	$(BIN)/python -m torture
+
+torture-short: install
+	$(BIN)/python -m torture --quick
+
+clean:
+	rm -rf $(VENV) .outbox-demo .pytest_cache .mypy_cache .ruff_cache .hypothesis
