@@ -1,10 +1,14 @@
 """``outbox demo``: the whole pipeline on this machine, end to end, in one command.
 
 It migrates a database (a fresh SQLite file unless ``--database-url``/``OUTBOX_DATABASE_URL``
-names one), starts relays and consumers as child processes, creates runs through the run store
-(each run and its ``run.created`` event in one transaction), shows a progress bar until every
-event is claimed, then prints a summary and the ``redis-cli`` commands to look at the streams.
-Every demo uses its own key prefix and group, so repeated demos never mix.
+names one), starts relays and consumers (run workers with the demo agent) as child processes,
+creates runs through the run store (each run and its ``run.created`` event in one transaction)
+and shows a progress bar until every run completed. Every ``--ask-every``-th run stops at
+``needs_input`` with a question; the demo answers it like a user would, and answers the first
+one twice with the same idempotency key to show that the second call is a receipt replay that
+writes nothing. The summary counts runs completed and questions asked and answered, then shows
+the ``redis-cli`` commands to look at the streams. Every demo uses its own key prefix and group,
+so repeated demos never mix. Exit status 0 when every run completed and nothing was dead.
 """
 
 from __future__ import annotations
@@ -25,9 +29,9 @@ import redis
 from sqlalchemy import Engine, func, select
 
 from cli import options
-from producer import Producer
-from producer.runs import RunStore
+from producer.runs import RunStore, store_for
 from shared import db, keys
+from shared import runstate as rs
 from shared.errors import ConfigError, UnavailableError
 from shared.redaction import redact_url
 from shared.redis_conn import connect_redis
@@ -35,6 +39,7 @@ from shared.schema import inbox, outbox, runs
 from shared.settings import CommonSettings
 
 DEMO_DIR = Path(".outbox-demo")
+CREATE_BATCH = 25
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -45,6 +50,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=300.0,
                         help="give up after this many seconds (default 300)")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
+    parser.add_argument("--ask-every", type=int, default=10,
+                        help="every N-th run asks a question the demo answers (default 10)")
+    parser.add_argument("--stage-ms", type=int, default=0,
+                        help="duration of each of the 7 stages of the demo agent (default 0)")
 
 
 class Children:
@@ -107,8 +116,10 @@ def _run(args: argparse.Namespace, settings: CommonSettings, redis_url: str,
         "OUTBOX_KEY_PREFIX": stamp,
         "OUTBOX_PARTITIONS": str(settings.partitions),
         "OUTBOX_GROUP": "demo",
-        "OUTBOX_LOG_LEVEL": "WARNING",
+        "OUTBOX_LOG_LEVEL": args.log_level or "WARNING",  # children: --log-level to see more
         "OUTBOX_CLAIM_IDLE_MS": "5000",
+        "OUTBOX_DEMO_STAGE_MS": str(max(args.stage_ms, 0)),
+        "OUTBOX_RUN_CONCURRENCY": "16",
     }
     logs = DEMO_DIR / "logs"
     logs.mkdir(exist_ok=True)
@@ -117,30 +128,58 @@ def _run(args: argparse.Namespace, settings: CommonSettings, redis_url: str,
         children.start([*cmd, "relay"], env, logs / f"relay-{i}.log")
     for i in range(args.consumers):
         children.start([*cmd, "consume"], env, logs / f"consumer-{i}.log")
-    store = RunStore(Producer(source="outbox-demo", partitions=settings.partitions))
+    store = store_for(settings.model_copy(update={"key_prefix": stamp}), source="outbox-demo")
     started = time.monotonic()
     progress = Progress(args.runs, quiet=args.json)
-    for n in range(args.runs):
+    every = max(args.ask_every, 0)
+    for first in range(0, args.runs, CREATE_BATCH):  # each run with its event, 25 per commit
+        last = min(first + CREATE_BATCH, args.runs)
         with engine.begin() as conn:
-            store.create(conn, f"{stamp}-{n:06d}", {"request": {"n": n}})
-        if n % 50 == 0:
-            progress.show(n + 1, _consumed(engine, stamp))
+            for n in range(first, last):
+                ask = every > 0 and n % every == 0
+                store.create(conn, f"{stamp}-{n:06d}", {"request": {"n": n, "ask": ask}})
+        progress.show(last, _finished(engine, stamp))
     deadline = started + args.timeout
-    consumed = _consumed(engine, stamp)
-    while consumed < args.runs and time.monotonic() < deadline and not children.dead():
-        progress.show(args.runs, consumed)
-        time.sleep(0.2)
-        consumed = _consumed(engine, stamp)
-    progress.show(args.runs, consumed, done=True)
+    replay: dict[str, Any] = {}
+    finished = _finished(engine, stamp)
+    while finished < args.runs and time.monotonic() < deadline and not children.dead():
+        progress.show(args.runs, finished)
+        if not _answer_questions(engine, store, stamp, replay):
+            time.sleep(0.1)
+        finished = _finished(engine, stamp)
+    progress.show(args.runs, finished, done=True)
     summary = _summary(engine, connect_redis(redis_url), settings, stamp, args.runs)
+    summary["receipt_replay"] = replay
     summary["seconds"] = round(time.monotonic() - started, 2)
     summary["redis_url"] = redact_url(redis_url)
     if args.json:
         print(json.dumps(summary, indent=2))
     else:
         print(_render(summary, stamp, settings.partitions, redis_url))
-    ok = summary["consumed"] == args.runs and summary["dead"] == 0
+    ok = summary["completed"] == args.runs and summary["dead"] == 0
     return 0 if ok else 1
+
+
+def _answer_questions(engine: Engine, store: RunStore, stamp: str,
+                      replay: dict[str, Any]) -> int:
+    """Answer every pending question like a user would; the first one twice with one key."""
+    with engine.connect() as conn:
+        waiting = list(conn.execute(select(runs.c.id).where(
+            runs.c.id.like(f"{stamp}-%"), runs.c.status == rs.NEEDS_INPUT).limit(500)).scalars())
+    for run_id in waiting:
+        with engine.connect() as conn:
+            questions = store.snapshot(store.get(conn, run_id)).questions
+        for q in questions:
+            key = f"demo-answer-{run_id}-{q.interaction_id}"
+            with engine.begin() as conn:
+                first = store.submit_answer(conn, run_id, q.interaction_id, "yes", key)
+            if not replay:
+                with engine.begin() as conn:
+                    again = store.submit_answer(conn, run_id, q.interaction_id, "yes", key)
+                replay.update(run_id=run_id, idempotency_key=key, first_replayed=first.replayed,
+                              second_replayed=again.replayed,
+                              revision_unchanged=again.row.revision == first.row.revision)
+    return len(waiting)
 
 
 def _redis(url: str) -> tuple[str, subprocess.Popen[bytes] | None]:
@@ -180,13 +219,11 @@ def _redis(url: str) -> tuple[str, subprocess.Popen[bytes] | None]:
     raise UnavailableError("could not start a redis-server for the demo")
 
 
-def _consumed(engine: Engine, stamp: str) -> int:
+def _finished(engine: Engine, stamp: str) -> int:
     with engine.connect() as conn:
         return int(conn.execute(
-            select(func.count()).where(
-                inbox.c.group_name == "demo", inbox.c.outcome == "applied",
-                inbox.c.event_id.like(f"{stamp}-%"),
-            )
+            select(func.count()).where(runs.c.id.like(f"{stamp}-%"),
+                                       runs.c.status.in_(rs.TERMINAL))
         ).scalar_one())
 
 
@@ -203,6 +240,11 @@ def _summary(engine: Engine, client: redis.Redis, settings: CommonSettings, stam
             ).group_by(inbox.c.outcome)).all())
         duplicates = conn.execute(select(func.coalesce(func.sum(inbox.c.duplicates), 0)).where(
             inbox.c.group_name == "demo", inbox.c.event_id.like(like))).scalar_one()
+        statuses: dict[str, int] = {r[0]: r[1] for r in conn.execute(select(
+            runs.c.status, func.count()).where(runs.c.id.like(like)).group_by(runs.c.status))}
+        kinds: dict[str, int] = {r[0]: r[1] for r in conn.execute(select(
+            outbox.c.type, func.count()).where(outbox.c.event_id.like(like)).group_by(
+            outbox.c.type))}
     entries = dead_letters = 0
     for p in range(settings.partitions):
         entries += client.xlen(keys.stream_key(stamp, "runs", p))
@@ -213,6 +255,11 @@ def _summary(engine: Engine, client: redis.Redis, settings: CommonSettings, stam
         "delivered": delivered,
         "stream_entries": entries,
         "consumed": outcomes.get("applied", 0),
+        "completed": statuses.get(rs.COMPLETED, 0),
+        "failed": statuses.get(rs.FAILED, 0),
+        "questions_asked": kinds.get("run.needs_input", 0),
+        "questions_answered": kinds.get("run.answered", 0),
+        "resumed": kinds.get("run.resume", 0),
         "duplicates_skipped": int(duplicates),
         "stale": outcomes.get("stale", 0),
         "dead": outcomes.get("dead", 0) + dead_letters,
@@ -222,14 +269,23 @@ def _summary(engine: Engine, client: redis.Redis, settings: CommonSettings, stam
 
 
 def _render(s: dict[str, Any], stamp: str, partitions: int, redis_url: str) -> str:
-    rate = s["consumed"] / s["seconds"] if s["seconds"] else 0.0
+    rate = s["completed"] / s["seconds"] if s["seconds"] else 0.0
+    replay = s.get("receipt_replay") or {}
+    receipt = (f"answered {replay['run_id']} twice with key {replay['idempotency_key']!r}: "
+               f"second call replayed={replay['second_replayed']}, nothing written="
+               f"{replay['revision_unchanged']}" if replay else "no question was answered")
     key0 = keys.stream_key(stamp, "runs", 0)
     cli = f"redis-cli -u {redact_url(redis_url)}"
     return "\n".join([
         "",
         f"created             {s['created']:>8}",
         f"delivered           {s['delivered']:>8}   (stream entries: {s['stream_entries']})",
-        f"consumed            {s['consumed']:>8}   ({rate:,.0f}/s end to end)",
+        f"events consumed     {s['consumed']:>8}",
+        f"runs completed      {s['completed']:>8}   ({rate:,.0f} runs/s end to end, 7 stages)",
+        f"runs failed         {s['failed']:>8}",
+        f"questions asked     {s['questions_asked']:>8}",
+        f"questions answered  {s['questions_answered']:>8}   ({receipt})",
+        f"runs resumed        {s['resumed']:>8}",
         f"duplicates skipped  {s['duplicates_skipped']:>8}",
         f"stale               {s['stale']:>8}",
         f"dead                {s['dead']:>8}",
@@ -257,5 +313,5 @@ class Progress:
         filled = int(width * consumed / self.total)
         bar = "#" * filled + "." * (width - filled)
         end = "\n" if done else ""
-        sys.stderr.write(f"\r[{bar}] created {created}/{self.total}  consumed {consumed}{end}")
+        sys.stderr.write(f"\r[{bar}] created {created}/{self.total}  finished {consumed}{end}")
         sys.stderr.flush()

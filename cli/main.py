@@ -117,6 +117,23 @@ def build_parser() -> argparse.ArgumentParser:
     from cli import demo
 
     demo.add_arguments(_leaf(sub, "demo", "run the end-to-end demo", CommonSettings, cmd_demo))
+
+    from cli import serve, sweep
+    from producer.http import ServeSettings
+    from shared.runstate import RunSettings
+
+    serve.add_arguments(_leaf(sub, "serve", "serve the runs HTTP API", ServeSettings, serve.main))
+    sweep.add_arguments(_leaf(sub, "sweep", "resume runs whose execution lease expired (one pass)",
+                              RunSettings, sweep.main))
+
+    from cli import dlq
+
+    dlq.add_commands(sub.add_parser("dlq", help="inspect and replay dead letters"), _leaf)
+
+    from cli import reconcile
+
+    reconcile.add_arguments(_leaf(sub, "reconcile", "repair streams behind the outbox and "
+                                  "resume stuck runs", CommonSettings, reconcile.main))
     return parser
 
 

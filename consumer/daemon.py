@@ -9,6 +9,8 @@ Order of a batch, and why:
 3. Everything else is claimed in one transaction (:func:`consumer.inbox.claim`).
 4. Only after that commit: ``XACK`` every entry except those whose handler failed; those stay
    pending and come back through ``XAUTOCLAIM`` once idle for ``claim_idle_ms``.
+5. Then the callbacks handlers scheduled with ``Handlers.after_commit`` for applied events
+   (post-commit work such as run stages); a rolled-back claim drops them.
 
 A crash between 3 and 4 redelivers the entries; the inbox finds them and they are acknowledged
 as duplicates. After a restart the consumer first re-reads its own pending entries.
@@ -33,6 +35,7 @@ from sqlalchemy import Engine
 from consumer import inbox, streams
 from consumer.handlers import Handlers
 from consumer.streams import Entry
+from shared import faults
 from shared.envelope import Event
 from shared.errors import InvalidEventError, UnavailableError
 from shared.settings import ConsumerSettings
@@ -177,16 +180,32 @@ class Consumer:
                 letters.append((entry, reason, f"dead-lettered: {reason}"))
             batch.append(inbox.Delivery(entry.key, entry.entry_id, event, entry.deliveries, reason))
         streams.dead_letter(self.client, s.key_prefix, letters, s.group, self.name)
-        outcomes = inbox.claim(self.engine, s.group, batch, self.handlers)
+        try:
+            outcomes = inbox.claim(self.engine, s.group, batch, self.handlers)
+        except BaseException:
+            self.handlers.take_after_commit(set())  # rolled back: drop scheduled work
+            raise
+        faults.point("consumer.after_commit")
         by_id = {(e.key, e.entry_id): e for e in entries}
         for o in outcomes:
             self._count(o.outcome)
             if o.outcome != inbox.FAILED:
                 to_ack.append(by_id[(o.delivery.key, o.delivery.entry_id)])
         streams.ack(self.client, s.group, to_ack)
+        faults.point("consumer.after_ack")
+        self._run_after_commit({o.delivery.event.id for o in outcomes
+                                if o.outcome == inbox.APPLIED})
         if self.after_batch is not None:
             self.after_batch()
         return len(entries)
+
+    def _run_after_commit(self, applied: set[str]) -> None:
+        for callback in self.handlers.take_after_commit(applied):
+            try:
+                callback()
+            except Exception as err:  # post-commit work must not stop the loop
+                log.warning("after-commit callback failed: %s", type(err).__name__)
+                log.debug("after-commit error", exc_info=True)
 
     def _count(self, outcome: str) -> None:
         attr = {"duplicate": "duplicates"}.get(outcome, outcome)

@@ -3,6 +3,11 @@
 A handler receives the claim transaction's connection and the parsed event. Whatever it writes
 through that connection commits together with the inbox receipt, inside a savepoint of its own:
 if it raises, only its savepoint rolls back, the entry stays pending and is retried.
+
+Work that must not run inside the transaction (a long run stage, a network call) is scheduled
+with :meth:`Handlers.after_commit`: the daemon runs it only after the claim transaction
+committed *and* the entry was acknowledged, and only if that handler's event was applied; on a
+rollback or a failed handler the callback is dropped.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ class Handlers:
 
     def __init__(self) -> None:
         self._by_type: dict[str, Handler] = {}
+        self._after_commit: list[tuple[str, Callable[[], None]]] = []
 
     def register(self, event_type: str, handler: Handler) -> None:
         """Route events of ``event_type`` (or every type, with ``"*"``) to ``handler``."""
@@ -45,6 +51,16 @@ class Handlers:
     def get(self, event_type: str) -> Handler | None:
         """The handler for a type, falling back to ``"*"``; None if the group has none."""
         return self._by_type.get(event_type) or self._by_type.get("*")
+
+    def after_commit(self, event_id: str, callback: Callable[[], None]) -> None:
+        """From a handler: run ``callback`` once the claim of ``event_id`` committed and was
+        acknowledged. Dropped if the batch rolls back or the event is not applied."""
+        self._after_commit.append((event_id, callback))
+
+    def take_after_commit(self, applied: set[str]) -> list[Callable[[], None]]:
+        """The daemon's side: the callbacks of ``applied`` event ids; forget all the others."""
+        taken, self._after_commit = self._after_commit, []
+        return [callback for event_id, callback in taken if event_id in applied]
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._by_type)

@@ -12,12 +12,12 @@ import hashlib
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from sqlalchemy import BigInteger, Connection, Engine, bindparam, cast, func, select, tuple_, update
 from sqlalchemy.dialects import postgresql, sqlite
 
-from consumer.handlers import Handlers
+from consumer.handlers import Handler, Handlers
 from shared.db import is_postgres, now_ms, translate_errors
 from shared.envelope import Event
 from shared.schema import inbox, inbox_heads
@@ -59,6 +59,29 @@ def _lock_key(group: str, d: Delivery) -> int:
     return int.from_bytes(hashlib.blake2b(raw.encode(), digest_size=8).digest(), "big", signed=True)
 
 
+BATCHABLE = "__outbox_batchable__"
+H = TypeVar("H", bound=Handler)
+
+
+def batchable(handler: H) -> H:
+    """Opt a handler (a function or callable object) in to running without its own savepoint.
+
+    When *every* handler of a batch opted in, they run directly in the claim transaction: two
+    round trips per event fewer on PostgreSQL. If one of them raises, the whole transaction is
+    rolled back, callbacks scheduled with ``Handlers.after_commit`` are dropped, and the batch
+    is claimed again with a savepoint per handler, exactly as without the opt-in. So the
+    guarantees do not change; what the handler accepts is to run a second time, in the same
+    claim, when another handler of its batch fails: it must not have effects outside ``conn``
+    that a repeat would harm (it must be safe to retry anyway: delivery is at least once).
+    """
+    setattr(handler, BATCHABLE, True)
+    return handler
+
+
+class _BatchableFailed(Exception):
+    """A handler running without a savepoint raised: retry the batch with savepoints."""
+
+
 def claim(engine: Engine, group: str, batch: list[Delivery], handlers: Handlers) -> list[Outcome]:
     """Claim a batch durably; return one outcome per delivery, in order.
 
@@ -67,9 +90,22 @@ def claim(engine: Engine, group: str, batch: list[Delivery], handlers: Handlers)
     newer than the aggregate's last applied one is ``stale``; otherwise the handler runs in a
     savepoint and the receipt and the handler's writes commit together (``applied``), or the
     savepoint rolls back and the entry is ``failed`` (no receipt: it will be retried).
+    Handlers marked :func:`batchable` may skip their savepoints, with the same outcome.
     """
     if not batch:
         return []
+    handled = [h for d in batch if (h := handlers.get(d.event.type)) is not None]
+    if handled and all(getattr(h, BATCHABLE, False) for h in handled):
+        try:
+            return _claim(engine, group, batch, handlers, savepoints=False)
+        except _BatchableFailed:
+            handlers.take_after_commit(set())  # rolled back: every handler runs again
+    return _claim(engine, group, batch, handlers, savepoints=True)
+
+
+def _claim(
+    engine: Engine, group: str, batch: list[Delivery], handlers: Handlers, *, savepoints: bool
+) -> list[Outcome]:
     with translate_errors(), engine.begin() as conn:
         if is_postgres(conn):
             lock_keys = sorted({_lock_key(group, d) for d in batch})
@@ -77,7 +113,7 @@ def claim(engine: Engine, group: str, batch: list[Delivery], handlers: Handlers)
             conn.execute(select(func.pg_advisory_xact_lock(func.unnest(array))))
         seen = _existing(conn, group, [d.event.id for d in batch])
         heads = _heads(conn, group, {k for d in batch if (k := _head_key(d.event))})
-        outcomes = [_decide(conn, d, seen, heads, handlers) for d in batch]
+        outcomes = [_decide(conn, d, seen, heads, handlers, savepoints) for d in batch]
         _write(conn, group, outcomes, heads)
         return outcomes
 
@@ -110,6 +146,7 @@ def _decide(
     seen: set[str],
     heads: dict[Any, int],
     handlers: Handlers,
+    savepoints: bool = True,
 ) -> Outcome:
     event = d.event
     if event.id in seen:
@@ -125,13 +162,19 @@ def _decide(
     if handler is None:
         seen.add(event.id)
         return Outcome(d, DEAD, "unknown_type")
-    try:
-        with conn.begin_nested():
+    if not savepoints:
+        try:
             handler(conn, event)
-    except Exception as err:  # the handler's own failure: only its savepoint rolls back
-        log.warning("handler for %s failed on %s: %s", event.type, event.id, type(err).__name__)
-        log.debug("handler error", exc_info=True)
-        return Outcome(d, FAILED, type(err).__name__)
+        except Exception as err:
+            raise _BatchableFailed from err
+    else:
+        try:
+            with conn.begin_nested():
+                handler(conn, event)
+        except Exception as err:  # the handler's own failure: only its savepoint rolls back
+            log.warning("handler for %s failed on %s: %s", event.type, event.id, type(err).__name__)
+            log.debug("handler error", exc_info=True)
+            return Outcome(d, FAILED, type(err).__name__)
     seen.add(event.id)
     if head is not None and event.revision is not None:
         heads[head] = event.revision

@@ -19,14 +19,15 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 from sqlalchemy.orm import Session
 
-from shared import keys
+from shared import faults, keys
 from shared.db import now_ms
-from shared.envelope import DEFAULT_MAX_DATA_BYTES
+from shared.envelope import DEFAULT_MAX_DATA_BYTES, MAX_ID_LENGTH, MAX_REVISION
 from shared.errors import DuplicateEventError, InvalidEventError
 from shared.schema import outbox
 
 _TRACEPARENT = re.compile(r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$")
 _TYPE = re.compile(r"^[A-Za-z0-9_.:\-/]{1,256}$")
+_STREAM = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 
 
 def event_id_for(aggregate_id: str, kind: str, revision: int) -> str:
@@ -59,6 +60,7 @@ class Producer:
         event_id, stmt = self.build(postgres=connection.dialect.name == "postgresql", **event)
         if connection.execute(stmt).first() is None:
             raise DuplicateEventError(f"event {event_id!r} was already enqueued")
+        faults.point("producer.before_commit")
         return event_id
 
     async def enqueue_async(self, conn: AsyncConnection | AsyncSession, **event: Any) -> str:
@@ -130,33 +132,14 @@ class Producer:
         traceparent: str | None,
         delay_ms: int,
     ) -> dict[str, Any]:
-        if not _TYPE.match(type or ""):
-            raise InvalidEventError("type must be 1-256 characters of [A-Za-z0-9_.:-/]")
-        try:
-            keys.check_name("stream", stream)
-        except Exception:
-            raise InvalidEventError("stream must be 1-64 characters of [A-Za-z0-9_.-]") from None
-        if revision is not None and (not isinstance(revision, int) or revision < 0):
-            raise InvalidEventError("revision must be a non-negative integer", code="bad_revision")
-        if traceparent is not None and not _TRACEPARENT.match(traceparent):
-            raise InvalidEventError("traceparent is not a W3C trace context", code="bad_field")
-        if delay_ms < 0:
-            raise InvalidEventError("delay_ms must not be negative", code="bad_field")
-        try:
-            payload = json.dumps(data, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
-        except (TypeError, ValueError):
-            raise InvalidEventError("data must be JSON-serializable", code="bad_json") from None
-        if len(payload.encode("utf-8")) > self.max_data_bytes:
-            raise InvalidEventError(
-                f"data is larger than {self.max_data_bytes} bytes", code="data_too_large"
-            )
+        _check_event(type, stream, aggregate_type, aggregate_id, revision, traceparent, delay_ms)
+        payload = self._payload(data)
         if event_id is None:
             if aggregate_id is not None and revision is not None:
                 event_id = event_id_for(aggregate_id, type, revision)
             else:
                 event_id = str(uuid.uuid4())
-        if not 0 < len(event_id) <= 512:
-            raise InvalidEventError("event id must be 1-512 characters", code="bad_field")
+        _check_text("event id", event_id, MAX_ID_LENGTH)
         now = now_ms()
         part_key = aggregate_id if aggregate_id is not None else event_id
         return {
@@ -173,3 +156,65 @@ class Producer:
             "created_at_ms": now,
             "available_at_ms": now + delay_ms,
         }
+
+    def _payload(self, data: Any) -> str:
+        try:
+            payload = json.dumps(data, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+        except (TypeError, ValueError, RecursionError):
+            raise InvalidEventError("data must be JSON-serializable", code="bad_json") from None
+        try:
+            size = len(payload.encode("utf-8"))
+        except UnicodeEncodeError:
+            raise InvalidEventError("data is not valid Unicode text", code="bad_encoding") from None
+        if size > self.max_data_bytes:
+            raise InvalidEventError(
+                f"data is larger than {self.max_data_bytes} bytes", code="data_too_large"
+            )
+        return payload
+
+
+def _check_event(
+    type: str,
+    stream: str,
+    aggregate_type: str | None,
+    aggregate_id: str | None,
+    revision: int | None,
+    traceparent: str | None,
+    delay_ms: int,
+) -> None:
+    """Refuse, with a reason code, anything a consumer would reject or a column cannot hold:
+    the producer is the cheapest place to find out."""
+    if not isinstance(type, str) or not _TYPE.match(type):
+        raise InvalidEventError(
+            "type must be 1-256 characters of [A-Za-z0-9_.:-/]", code="bad_type"
+        )
+    if not isinstance(stream, str) or not _STREAM.match(stream):
+        raise InvalidEventError(
+            "stream must be 1-64 characters of [A-Za-z0-9_.-]", code="bad_stream"
+        )
+    if aggregate_type is not None:
+        _check_text("aggregate_type", aggregate_type, 128)
+    if aggregate_id is not None:
+        _check_text("aggregate_id", aggregate_id, 256)
+    if revision is not None and (
+        isinstance(revision, bool) or not isinstance(revision, int)
+        or not 0 <= revision <= MAX_REVISION
+    ):
+        raise InvalidEventError(
+            f"revision must be an integer from 0 to {MAX_REVISION}", code="bad_revision"
+        )
+    if traceparent is not None and not _TRACEPARENT.match(traceparent):
+        raise InvalidEventError("traceparent is not a W3C trace context", code="bad_field")
+    if delay_ms < 0:
+        raise InvalidEventError("delay_ms must not be negative", code="bad_field")
+
+
+def _check_text(name: str, value: str, limit: int) -> None:
+    if not isinstance(value, str) or not 0 < len(value) <= limit or "\x00" in value:
+        raise InvalidEventError(
+            f"{name} must be 1-{limit} characters without NUL", code="bad_field"
+        )
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidEventError(f"{name} is not valid Unicode text", code="bad_encoding") from None

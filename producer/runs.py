@@ -3,25 +3,45 @@
 A run row carries its ``revision`` twice: in its own column, so a compare-and-set is one
 ``UPDATE … WHERE id = ? AND revision = ?``, and inside the JSON ``record``, so a record copied or
 edited by hand that disagrees with its row is caught (``corrupt_record``) instead of trusted.
-Every write returns the new record; every event id is ``{run_id}:{kind}:{revision}``.
+Every write returns the new record; every event id is ``{run_id}:{kind}:{revision}``. Every write
+goes through :meth:`RunStore.compare_and_set`, which also enforces the forward-only state machine
+of :mod:`shared.runstate`: no write, however late, moves a run backward.
+
+The record holds, besides the public fields: ``request`` (the original input), ``checkpoint``
+(``{stage: output}`` of finished stages), ``questions`` (pending), ``answers``, ``receipts``
+(``{idempotency_key: {fingerprint, interaction_id}}``), ``asked_by``, ``stage``, ``result`` and
+``error``. The execution lease lives in columns (``lease_owner`` is a per-claim token) so that a
+heartbeat extends it without a new revision. All methods run in the caller's transaction.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from sqlalchemy import Connection, insert, select, update
 from sqlalchemy.exc import IntegrityError
 
 from producer.enqueue import Producer
+from shared import runstate as rs
 from shared.db import now_ms
-from shared.errors import ConflictError, CorruptRecordError, NotFoundError
+from shared.errors import (
+    ConflictError,
+    CorruptRecordError,
+    IdempotencyConflictError,
+    InvalidRequestError,
+    InvalidTransitionError,
+    LeaseLostError,
+    NotFoundError,
+)
 from shared.schema import runs
+from shared.settings import CommonSettings
 
 RUNS_STREAM = "runs"
 AGGREGATE = "run"
+MAX_KEY_LENGTH = 128
 
 
 @dataclass(frozen=True)
@@ -40,10 +60,32 @@ class RunRow:
 
 
 @dataclass(frozen=True)
+class Claim:
+    """What :meth:`RunStore.claim` decided: the leased run, or why the event is skipped."""
+
+    row: RunRow | None
+    skipped: str | None = None  # stale | terminal | waiting | leased | not_found
+
+
+@dataclass(frozen=True)
+class AnswerResult:
+    """The run after an answer; ``replayed`` when the key was seen with the same answer."""
+
+    row: RunRow
+    replayed: bool
+
+
+def fingerprint(interaction_id: str, value: str) -> str:
+    """``sha256`` of the JSON array ``[interaction_id, value]``: what an answer receipt pins."""
+    text = json.dumps([interaction_id, value], separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+@dataclass(frozen=True)
 class RunStore:
     """Create, read and compare-and-set runs; each write enqueues its event atomically."""
 
-    producer: Producer = Producer()
+    producer: Producer = field(default_factory=Producer)
     stream: str = RUNS_STREAM
 
     def create(
@@ -75,6 +117,10 @@ class RunStore:
             raise NotFoundError(f"run {run_id!r} does not exist")
         return _parse(row)
 
+    def snapshot(self, row: RunRow) -> rs.RunSnapshot:
+        """The public view of a stored run."""
+        return rs.snapshot(row.id, row.status, row.record, row.created_at_ms, row.updated_at_ms)
+
     def compare_and_set(
         self,
         conn: Connection,
@@ -87,37 +133,206 @@ class RunStore:
         lease_owner: str | None = None,
         lease_expires_at_ms: int | None = None,
         attempts: int | None = None,
+        lease_token: str | None = None,
     ) -> RunRow:
         """Write revision ``expected_revision + 1`` if the run is still at ``expected_revision``.
 
         Exactly one row changes or :class:`ConflictError` (another writer won) /
-        :class:`NotFoundError` is raised. With ``event``, the ``{run_id}:{event}:{revision}``
+        :class:`NotFoundError` / :class:`InvalidTransitionError` (the move is not allowed or
+        backward) is raised. With ``lease_token`` the run must also still be leased to that
+        token, else :class:`LeaseLostError`. With ``event``, the ``{run_id}:{event}:{revision}``
         outbox row is written in the same transaction.
         """
+        current = self.get(conn, run_id)
+        if lease_token is not None and current.lease_owner != lease_token:
+            raise LeaseLostError(f"run {run_id!r} is no longer leased to this worker")
+        if current.revision != expected_revision:
+            raise ConflictError(
+                f"run {run_id!r} is at revision {current.revision}, not {expected_revision}"
+            )
+        rs.check_transition(current.status, status, asked_by=current.record.get("asked_by"),
+                            new_asked_by=record.get("asked_by"))
         revision = expected_revision + 1
         stored = {**record, "revision": revision, "status": status}
+        now = now_ms()
         values: dict[str, Any] = {
             "revision": revision, "status": status, "record": _dump(stored),
             "lease_owner": lease_owner, "lease_expires_at_ms": lease_expires_at_ms,
-            "updated_at_ms": now_ms(),
+            "updated_at_ms": now,
         }
         if attempts is not None:
             values["attempts"] = attempts
-        result = conn.execute(
-            update(runs)
-            .where(runs.c.id == run_id, runs.c.revision == expected_revision)
-            .values(**values)
-        )
-        if result.rowcount != 1:
-            exists = conn.execute(select(runs.c.revision).where(runs.c.id == run_id)).first()
-            if exists is None:
-                raise NotFoundError(f"run {run_id!r} does not exist")
-            raise ConflictError(
-                f"run {run_id!r} is at revision {exists[0]}, not {expected_revision}"
-            )
+        condition = [runs.c.id == run_id, runs.c.revision == expected_revision]
+        if lease_token is not None:
+            condition.append(runs.c.lease_owner == lease_token)
+        if conn.execute(update(runs).where(*condition).values(**values)).rowcount != 1:
+            raise ConflictError(f"run {run_id!r} changed under us at revision {expected_revision}")
         if event is not None:
             self._event(conn, run_id, event, revision)
-        return self.get(conn, run_id)
+        return RunRow(
+            run_id, revision, status, stored, lease_owner, lease_expires_at_ms,
+            current.attempts if attempts is None else attempts, current.created_at_ms, now,
+        )
+
+    # -- worker side -------------------------------------------------------------------------
+
+    def claim(
+        self, conn: Connection, run_id: str, revision: int | None, token: str, *,
+        ttl_ms: int, now: int | None = None,
+    ) -> Claim:
+        """Lease the run to ``token`` for the event at ``revision``, or say why not.
+
+        The event must be for the run's current revision (older: ``stale``); terminal runs,
+        runs waiting for answers and runs leased to someone else are skipped. A queued run
+        moves to its first stage. Runs in the caller's (the consumer's claim) transaction.
+        """
+        now = now_ms() if now is None else now
+        try:
+            row = self.get(conn, run_id, for_update=True)
+        except NotFoundError:
+            return Claim(None, "not_found")
+        skipped = _claim_skip(row, revision, now)
+        if skipped is not None:
+            return Claim(None, skipped)
+        status = rs.INGESTING_INPUTS if row.status == rs.QUEUED else row.status
+        leased = self.compare_and_set(
+            conn, run_id, row.revision, {**row.record, "stage": status}, status=status,
+            lease_owner=token, lease_expires_at_ms=now + ttl_ms,
+        )
+        return Claim(leased)
+
+    def checkpoint(
+        self, conn: Connection, row: RunRow, token: str, output: Any, *,
+        questions: list[rs.Question] | None = None, ttl_ms: int,
+    ) -> RunRow:
+        """Save the finished stage ``row.status``'s output and move to what comes next.
+
+        Next is ``needs_input`` (with ``questions``, event ``run.needs_input``, lease released),
+        ``completed`` after the last stage (event ``run.completed``) or the next stage (lease
+        extended). :class:`LeaseLostError`/:class:`ConflictError` if the run changed.
+        """
+        stage = row.status
+        if stage not in rs.STAGES:
+            raise InvalidTransitionError(f"a {stage} run has no stage to checkpoint")
+        record = {**row.record, "checkpoint": {**row.record.get("checkpoint", {}), stage: output}}
+        if questions:
+            record.update(questions=[q.model_dump() for q in questions], asked_by=stage,
+                          asked=[*row.record.get("asked", []),
+                                 *(q.interaction_id for q in questions)])
+            return self.compare_and_set(conn, row.id, row.revision, record,
+                                        status=rs.NEEDS_INPUT, event="run.needs_input",
+                                        lease_token=token)
+        status = rs.next_stage(stage)
+        if status == rs.COMPLETED:
+            return self.compare_and_set(conn, row.id, row.revision, {**record, "result": output},
+                                        status=status, event="run.completed", lease_token=token)
+        return self.compare_and_set(
+            conn, row.id, row.revision, {**record, "stage": status}, status=status,
+            lease_owner=token, lease_expires_at_ms=now_ms() + ttl_ms, lease_token=token,
+        )
+
+    def fail(self, conn: Connection, row: RunRow, reason: str, *,
+             lease_token: str | None = None) -> RunRow:
+        """Move the run to ``failed`` with ``reason`` and a ``run.failed`` event."""
+        return self.compare_and_set(conn, row.id, row.revision, {**row.record, "error": reason},
+                                    status=rs.FAILED, event="run.failed", lease_token=lease_token,
+                                    attempts=row.attempts)
+
+    def heartbeat(self, conn: Connection, tokens: list[str], *, ttl_ms: int) -> set[str]:
+        """Extend the leases still held by ``tokens``; return those tokens (the rest are lost).
+
+        Only the lease columns change, never the revision: a heartbeat cannot conflict with
+        the stage's own compare-and-set, and it cannot revive a run swept by someone else
+        (the sweep clears ``lease_owner``). On PostgreSQL rows locked by another transaction
+        are skipped (``SKIP LOCKED``) rather than waited for: the heartbeat then never joins
+        a deadlock, and a locked row is being written by a claim or checkpoint right now
+        (still ours if its owner still is: the next beat extends it).
+        """
+        if not tokens:
+            return set()
+        held = runs.c.lease_owner.in_(tokens)
+        free = select(runs.c.id).where(held).with_for_update(skip_locked=True)
+        conn.execute(update(runs).where(runs.c.id.in_(free.scalar_subquery()))
+                     .values(lease_expires_at_ms=now_ms() + ttl_ms))
+        return set(conn.execute(select(runs.c.lease_owner).where(held)).scalars())
+
+    def release(self, conn: Connection, tokens: list[str]) -> None:
+        """Let held leases expire now, so that the next sweep resumes those runs at once."""
+        if tokens:
+            conn.execute(update(runs).where(runs.c.lease_owner.in_(tokens))
+                         .values(lease_expires_at_ms=0))
+
+    # -- recovery -----------------------------------------------------------------------------
+
+    def expired(self, conn: Connection, *, now: int, limit: int) -> list[tuple[str, int]]:
+        """``(id, revision)`` of active runs whose execution lease expired before ``now``."""
+        rows = conn.execute(
+            select(runs.c.id, runs.c.revision)
+            .where(runs.c.status.in_(rs.STAGES), runs.c.lease_expires_at_ms < now)
+            .order_by(runs.c.lease_expires_at_ms).limit(limit)
+        )
+        return [(r[0], r[1]) for r in rows]
+
+    def resume(self, conn: Connection, run_id: str, revision: int, *, max_attempts: int,
+               now: int | None = None) -> RunRow:
+        """Give a run whose lease expired a ``run.resume`` event (attempts + 1), by CAS.
+
+        Past ``max_attempts`` the run fails with ``attempts_exhausted`` instead. A run that
+        moved on or was re-leased meanwhile raises :class:`ConflictError`.
+        """
+        now = now_ms() if now is None else now
+        row = self.get(conn, run_id, for_update=True)
+        if row.revision != revision or (row.lease_expires_at_ms or 0) >= now:
+            raise ConflictError(f"run {run_id!r} changed since the sweep read it")
+        if row.attempts >= max_attempts:
+            return self.fail(conn, row, "attempts_exhausted")
+        return self.compare_and_set(conn, run_id, revision, row.record, status=row.status,
+                                    event="run.resume", attempts=row.attempts + 1)
+
+    # -- answers ------------------------------------------------------------------------------
+
+    def submit_answer(
+        self, conn: Connection, run_id: str, interaction_id: str, value: str,
+        idempotency_key: str,
+    ) -> AnswerResult:
+        """Store an answer, its receipt and a ``run.answered`` event in one transaction.
+
+        Same key and same answer: the current run again, nothing written (``replayed``). Same
+        key, other answer: ``idempotency_conflict``. A question never asked (or not pending)
+        is ``unknown_interaction`` (not found); one answered before is ``already_answered``
+        (conflict). The last answer moves the run on to the stage after the one that asked.
+        """
+        if not 0 < len(idempotency_key) <= MAX_KEY_LENGTH or not idempotency_key.isprintable():
+            raise InvalidRequestError("the idempotency key must be 1-128 printable characters")
+        row = self.get(conn, run_id, for_update=True)
+        record = row.record
+        digest = fingerprint(interaction_id, value)
+        receipt = record.get("receipts", {}).get(idempotency_key)
+        if receipt is not None:
+            if receipt["fingerprint"] != digest:
+                raise IdempotencyConflictError(
+                    "this idempotency key was used with a different answer")
+            return AnswerResult(row, replayed=True)
+        if interaction_id in record.get("answers", {}):
+            raise ConflictError("this question was answered already", code="already_answered")
+        pending = [q for q in record.get("questions", []) if q["interaction_id"] != interaction_id]
+        if len(pending) == len(record.get("questions", [])):
+            raise NotFoundError("the run has no pending question with this id",
+                                code="unknown_interaction")
+        status = rs.NEEDS_INPUT if pending else rs.next_stage(record["asked_by"])
+        new = {
+            **record,
+            "questions": pending,
+            "answers": {**record.get("answers", {}), interaction_id: value},
+            "receipts": {**record.get("receipts", {}),
+                         idempotency_key: {"fingerprint": digest,
+                                           "interaction_id": interaction_id}},
+        }
+        if not pending:
+            new["stage"] = status
+        updated = self.compare_and_set(conn, run_id, row.revision, new, status=status,
+                                       event="run.answered")
+        return AnswerResult(updated, replayed=False)
 
     def _event(self, conn: Connection, run_id: str, kind: str, revision: int) -> None:
         # Run events carry no payload: a worker re-reads the run, the source of truth.
@@ -125,6 +340,24 @@ class RunStore:
             conn, type=kind, stream=self.stream, aggregate_type=AGGREGATE,
             aggregate_id=run_id, revision=revision, data=None,
         )
+
+
+def store_for(settings: CommonSettings, source: str = "outbox-relay") -> RunStore:
+    """A run store whose events use the deployment's partitions and key prefix."""
+    return RunStore(Producer(source=source, partitions=settings.partitions,
+                             key_prefix=settings.key_prefix))
+
+
+def _claim_skip(row: RunRow, revision: int | None, now: int) -> str | None:
+    if revision != row.revision:
+        return "stale"
+    if row.status in rs.TERMINAL:
+        return "terminal"
+    if not rs.is_runnable(row.status):
+        return "waiting"
+    if row.lease_owner is not None and (row.lease_expires_at_ms or 0) > now:
+        return "leased"
+    return None
 
 
 def _dump(record: dict[str, Any]) -> str:

@@ -22,9 +22,9 @@ from types import FrameType
 import redis
 from sqlalchemy import Engine
 
-from relay import append, store
+from relay import append, repair, store
 from relay.wakeup import Wakeup
-from shared import keys
+from shared import faults, keys
 from shared.db import is_postgres, now_ms
 from shared.errors import LeaseLostError, UnavailableError
 from shared.settings import RelaySettings
@@ -56,9 +56,11 @@ class Relay:
         self.leases: dict[int, int] = {}
         self.stats = RelayStats()
         self.wakeup = Wakeup(settings.poll_min_ms, settings.poll_max_ms)
+        self.repairer = repair.Repairer(settings, engine, client, self.node_id)
         self._stop = threading.Event()
         self._next_lease_check = 0.0
         self._backoff = 0.0
+        self._found_rows = False
 
     def stop(self) -> None:
         """Ask the loop to finish its round and return (safe from a signal handler)."""
@@ -96,6 +98,8 @@ class Relay:
                 elif until_idle:
                     break
                 else:
+                    if self._found_rows:  # a trickle of work: keep polling at the short interval
+                        self.wakeup.worked()
                     self.wakeup.wait()
         finally:
             self._release()
@@ -105,7 +109,9 @@ class Relay:
     def run_once(self) -> bool:
         """One round over our partitions; True if any partition had a full batch or errors."""
         self.stats.rounds += 1
+        self._found_rows = False
         self._refresh_leases()
+        self.repairer.maybe_run(self.leases)
         busy = False
         for partition, epoch in list(self.leases.items()):
             if self._stop.is_set():
@@ -119,28 +125,86 @@ class Relay:
         return busy
 
     def relay_partition(self, partition: int, epoch: int) -> bool:
-        """Claim, append and settle one batch of one partition; True if there may be more."""
+        """Claim, append and settle batches of one partition; True if there may be more.
+
+        Database and Redis work overlap: while one batch's ``XADD`` pipeline is in flight (on a
+        short-lived append thread), this thread claims the next batch (rows after the in-flight
+        batch's last seq, with ids greater than its ids) and settles the previous one. At most
+        one batch of a partition is in flight, so entries reach the stream in id order; no
+        transaction is open during a Redis call; every claim and settle is fenced by the epoch.
+        The chain stops after a short time budget so the other partitions get their round.
+        """
         s = self.settings
-        rows = store.claim(
-            self.engine, partition, self.node_id, epoch, s.batch_size, s.lease_ttl_ms, now_ms()
-        )
+        rows = self._claim(partition, epoch, None)
         if not rows:
             return False
+        self._found_rows = True
+        if len(rows) < s.batch_size:  # nothing to overlap with: append inline
+            return self._settle(partition, epoch, rows, self._finish(_Append(self, rows), rows))
+        deadline = time.monotonic() + min(1.0, s.lease_ttl_ms / 10_000)
+        flight: _Append | None = _Append(self, rows).start()
         try:
-            verdicts = append.append(self.client, s.key_prefix, rows, s.stream_maxlen)
+            while True:
+                following: list[store.OutboxRow] = []
+                if (
+                    len(rows) == s.batch_size
+                    and time.monotonic() < deadline
+                    and not self._stop.is_set()
+                ):
+                    following = self._claim(partition, epoch, rows[-1].seq)
+                assert flight is not None
+                verdicts = self._finish(flight, rows)
+                flight = _Append(self, following).start() if following else None
+                more = self._settle(partition, epoch, rows, verdicts)
+                if flight is None:
+                    return more
+                rows = following
+        finally:
+            if flight is not None:  # an error while the next batch was in flight
+                flight.wait_quietly()
+
+    def _claim(self, partition: int, epoch: int, after_seq: int | None) -> list[store.OutboxRow]:
+        s = self.settings
+        rows = store.claim(
+            self.engine, partition, self.node_id, epoch, s.batch_size, s.lease_ttl_ms, now_ms(),
+            after_seq=after_seq,
+        )
+        if rows:
+            faults.point("relay.after_claim")
+        return rows
+
+    def _append(self, rows: list[store.OutboxRow]) -> tuple[append.Verdicts, bool]:
+        """The Redis side of a batch: pipelined XADD, then the optional durability barrier."""
+        s = self.settings
+        verdicts = append.append(self.client, s.key_prefix, rows, s.stream_maxlen)
+        confirmed = not verdicts.delivered or append.durability_barrier(
+            self.client, s.wait_replicas, s.wait_timeout_ms, s.wait_aof
+        )
+        return verdicts, confirmed
+
+    def _finish(self, flight: _Append, rows: list[store.OutboxRow]) -> append.Verdicts:
+        """Wait for a batch's append; an unknown outcome is recorded and re-raised."""
+        try:
+            verdicts, confirmed = flight.result()
         except UnavailableError:
             self.stats.unknown_outcomes += len(rows)
             store.record_unknown(self.engine, [r.seq for r in rows], "unknown_outcome")
             raise
-        if verdicts.delivered and not append.durability_barrier(
-            self.client, s.wait_replicas, s.wait_timeout_ms, s.wait_aof
-        ):
+        if not confirmed:
             log.warning("durability barrier not met; %d entries stay unmarked", len(rows))
             raise UnavailableError("replicas did not confirm the batch in time")
+        faults.point("relay.after_xadd")
+        return verdicts
+
+    def _settle(
+        self, partition: int, epoch: int, rows: list[store.OutboxRow], verdicts: append.Verdicts
+    ) -> bool:
+        s = self.settings
         store.settle(
             self.engine, partition, self.node_id, epoch, s.lease_ttl_ms, now_ms(),
             delivered=verdicts.delivered, gaps=verdicts.gaps, failed=verdicts.failed,
         )
+        faults.point("relay.after_mark")
         self.stats.delivered += len(verdicts.delivered)
         self.stats.already_present += verdicts.already
         self.stats.ordering_gaps += len(verdicts.gaps)
@@ -172,3 +236,41 @@ class Relay:
         except UnavailableError:
             log.warning("could not release leases; they expire by themselves")
         self.leases = {}
+
+
+class _Append:
+    """One batch's append, inline (``result`` runs it) or on its own thread (``start``)."""
+
+    def __init__(self, relay: Relay, rows: list[store.OutboxRow]) -> None:
+        self._relay, self._rows = relay, rows
+        self._thread: threading.Thread | None = None
+        self._outcome: tuple[append.Verdicts, bool] | None = None
+        self._error: BaseException | None = None
+
+    def start(self) -> _Append:
+        self._thread = threading.Thread(target=self._run, name="outbox-append", daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        try:
+            self._outcome = self._relay._append(self._rows)
+        except BaseException as err:  # handed to the relay thread by result()
+            self._error = err
+
+    def result(self) -> tuple[append.Verdicts, bool]:
+        if self._thread is None:
+            self._run()
+        else:
+            self._thread.join()
+        if self._error is not None:
+            raise self._error
+        assert self._outcome is not None
+        return self._outcome
+
+    def wait_quietly(self) -> None:
+        """Let an in-flight append finish; its rows stay unmarked and are retried by id."""
+        if self._thread is not None:
+            self._thread.join()
+        if self._error is not None:
+            log.debug("in-flight append failed during an error", exc_info=self._error)

@@ -7,11 +7,23 @@ and fencing epoch in the same transaction, so a relay that lost its lease cannot
 
 from __future__ import annotations
 
+import json
 import math
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, fields
 from typing import Any
 
-from sqlalchemy import Connection, Engine, bindparam, delete, func, select, update
+from sqlalchemy import (
+    BigInteger,
+    Connection,
+    Engine,
+    String,
+    bindparam,
+    delete,
+    func,
+    select,
+    update,
+)
 from sqlalchemy.dialects import postgresql, sqlite
 
 from relay import entry_ids
@@ -37,6 +49,11 @@ class OutboxRow:
     headers: str
     created_at_ms: int
     entry_id: str
+
+
+# The columns a claim reads, in OutboxRow's field order (entry_id last).
+_CLAIMED = tuple(outbox.c[f.name] for f in fields(OutboxRow))
+_new_row: Callable[..., OutboxRow] = OutboxRow  # positional construction from those columns
 
 
 def _upsert(conn: Connection) -> Any:
@@ -150,12 +167,16 @@ def claim(
     batch_size: int,
     ttl_ms: int,
     now: int,
+    *,
+    after_seq: int | None = None,
 ) -> list[OutboxRow]:
     """Claim the next undelivered rows of a partition in ``seq`` order and give each an id.
 
     Rows that already carry an entry id (an earlier attempt whose outcome is unknown) keep it,
     so their retry cannot duplicate. New ids are greater than the last one assigned for this
     partition, which the lease row remembers. Raises :class:`LeaseLostError` when fenced out.
+    ``after_seq`` skips rows up to that seq: the relay claims the next batch while the previous
+    one (still undelivered) is being appended.
     """
     with translate_errors(), engine.begin() as conn:
         _check_lease(conn, partition, node_id, epoch, now, ttl_ms)
@@ -163,25 +184,21 @@ def claim(
             select(relay_leases.c.last_entry_id).where(relay_leases.c.partition == partition)
         ).scalar_one()
         rows = conn.execute(
-            select(outbox)
+            select(*_CLAIMED)
             .where(
                 outbox.c.partition == partition,
                 outbox.c.delivered_at_ms.is_(None),
                 outbox.c.available_at_ms <= now,
+                outbox.c.seq > (after_seq if after_seq is not None else -1),
             )
             .order_by(outbox.c.seq)
             .limit(batch_size)
         ).all()
-        fresh = [r for r in rows if r.entry_id is None]
+        fresh = [r[0] for r in rows if r[12] is None]
         if fresh:
             ids = entry_ids.next_ids(last, len(fresh), now)
-            assigned = dict(zip((r.seq for r in fresh), ids, strict=True))
-            conn.execute(
-                update(outbox)
-                .where(outbox.c.seq == bindparam("b_seq"))
-                .values(entry_id=bindparam("b_entry_id")),
-                [{"b_seq": s, "b_entry_id": i} for s, i in assigned.items()],
-            )
+            assigned = dict(zip(fresh, ids, strict=True))
+            _set_entry_ids(conn, list(assigned.items()), {}, undelivered_only=False)
             conn.execute(
                 update(relay_leases)
                 .where(relay_leases.c.partition == partition, relay_leases.c.epoch == epoch)
@@ -189,7 +206,43 @@ def claim(
             )
         else:
             assigned = {}
-        return [_to_row(r, assigned.get(r.seq, r.entry_id)) for r in rows]
+        # Positional: the columns are selected in OutboxRow's field order (cheaper than names).
+        return [_new_row(*r[:12], assigned.get(r[0], r[12])) for r in rows]
+
+
+def _set_entry_ids(
+    conn: Connection,
+    pairs: list[tuple[int, str]],
+    values: dict[str, Any],
+    *,
+    undelivered_only: bool,
+) -> None:
+    """Set ``entry_id`` per ``(seq, entry_id)`` pair, plus ``values`` on every such row.
+
+    One statement with constant SQL, so it is compiled once, whatever the batch size (a
+    row-by-row executemany cost more than the rest of the claim): PostgreSQL joins
+    ``unnest(:seqs, :ids)``, SQLite joins ``json_each(:pairs)``.
+    """
+    if not is_postgres(conn):
+        pairs_json = func.json_each(bindparam("b_pairs")).table_valued("value", name="given")
+        seq = func.json_extract(pairs_json.c.value, "$[0]")
+        stmt = update(outbox).where(outbox.c.seq == seq)
+        if undelivered_only:
+            stmt = stmt.where(outbox.c.delivered_at_ms.is_(None))
+        entry_id = func.json_extract(pairs_json.c.value, "$[1]")
+        conn.execute(stmt.values(entry_id=entry_id, **values), {"b_pairs": json.dumps(pairs)})
+        return
+    given = func.unnest(
+        bindparam("b_seqs", type_=postgresql.ARRAY(BigInteger)),
+        bindparam("b_ids", type_=postgresql.ARRAY(String)),
+    ).table_valued("seq", "entry_id", name="given").render_derived()
+    stmt = update(outbox).where(outbox.c.seq == given.c.seq)
+    if undelivered_only:
+        stmt = stmt.where(outbox.c.delivered_at_ms.is_(None))
+    conn.execute(
+        stmt.values(entry_id=given.c.entry_id, **values),
+        {"b_seqs": [s for s, _ in pairs], "b_ids": [e for _, e in pairs]},
+    )
 
 
 def _to_row(r: Any, entry_id: str) -> OutboxRow:
@@ -222,17 +275,8 @@ def settle(
     with translate_errors(), engine.begin() as conn:
         _check_lease(conn, partition, node_id, epoch, now, ttl_ms)
         if delivered:
-            conn.execute(
-                update(outbox)
-                .where(outbox.c.seq == bindparam("b_seq"), outbox.c.delivered_at_ms.is_(None))
-                .values(
-                    delivered_at_ms=now,
-                    entry_id=bindparam("b_entry_id"),
-                    attempts=outbox.c.attempts + 1,
-                    last_error=None,
-                ),
-                [{"b_seq": s, "b_entry_id": e} for s, e in delivered],
-            )
+            done = {"delivered_at_ms": now, "attempts": outbox.c.attempts + 1, "last_error": None}
+            _set_entry_ids(conn, delivered, done, undelivered_only=True)
         if gaps:
             conn.execute(
                 update(outbox)
@@ -256,3 +300,100 @@ def record_unknown(engine: Engine, seqs: list[int], code: str) -> None:
             .where(outbox.c.seq.in_(seqs), outbox.c.delivered_at_ms.is_(None))
             .values(attempts=outbox.c.attempts + 1, last_error=code)
         )
+
+
+# --- Broker data-loss repair (relay/repair.py): read-only queries plus lease helpers. ---
+# Entry ids are "<13-digit ms>-<seq>": their text sorts like the numbers except within one
+# millisecond, so SQL narrows by text and Python finishes with entry_ids.parse.
+
+
+def delivered_counts(engine: Engine, partitions: list[int]) -> dict[tuple[str, int], int]:
+    """``{(stream, partition): delivered rows}`` for the given partitions (one grouped scan)."""
+    if not partitions:
+        return {}
+    with translate_errors(), engine.connect() as conn:
+        rows = conn.execute(
+            select(outbox.c.stream, outbox.c.partition, func.count())
+            .where(outbox.c.partition.in_(partitions), outbox.c.delivered_at_ms.is_not(None))
+            .group_by(outbox.c.stream, outbox.c.partition)
+        ).all()
+    return {(stream, partition): int(n) for stream, partition, n in rows}
+
+
+def newest_delivered_id(engine: Engine, stream: str, partition: int) -> str | None:
+    """The greatest entry id of a delivered row of ``(stream, partition)``, or None."""
+    delivered = (
+        outbox.c.stream == stream,
+        outbox.c.partition == partition,
+        outbox.c.delivered_at_ms.is_not(None),
+    )
+    with translate_errors(), engine.connect() as conn:
+        top_text = conn.execute(
+            select(outbox.c.entry_id).where(*delivered).order_by(outbox.c.entry_id.desc()).limit(1)
+        ).scalar_one_or_none()
+        if top_text is None:
+            return None
+        ms = top_text.partition("-")[0]
+        same_ms = conn.execute(
+            select(outbox.c.entry_id).where(
+                *delivered, outbox.c.entry_id >= f"{ms}-", outbox.c.entry_id < f"{ms}."
+            )
+        ).scalars()
+        newest: str = max(same_ms, key=entry_ids.parse, default=top_text)
+        return newest
+
+
+def delivered_rows(
+    engine: Engine, stream: str, partition: int, after: str = entry_ids.ZERO
+) -> list[OutboxRow]:
+    """Delivered rows of ``(stream, partition)`` with an entry id greater than ``after``, in
+    entry id order: what a refill appends, under the ids the stream first had them."""
+    after_ms = entry_ids.parse(after)[0]
+    with translate_errors(), engine.connect() as conn:
+        rows = conn.execute(
+            select(outbox).where(
+                outbox.c.stream == stream,
+                outbox.c.partition == partition,
+                outbox.c.delivered_at_ms.is_not(None),
+                outbox.c.entry_id >= f"{after_ms:013d}-",
+            )
+        ).all()
+    found = [_to_row(r, r.entry_id) for r in rows if entry_ids.greater(r.entry_id, after)]
+    return sorted(found, key=lambda r: entry_ids.parse(r.entry_id))
+
+
+def renew_lease(
+    engine: Engine, partition: int, node_id: str, epoch: int, ttl_ms: int, now: int
+) -> None:
+    """Prove (and extend) that we still own ``partition`` at ``epoch``; else LeaseLostError."""
+    with translate_errors(), engine.begin() as conn:
+        _check_lease(conn, partition, node_id, epoch, now, ttl_ms)
+
+
+def take_free_lease(
+    engine: Engine, partition: int, node_id: str, ttl_ms: int, now: int
+) -> int | None:
+    """Take ``partition`` if no live relay holds it (bumping the epoch); its epoch, or None.
+
+    For one-off tools (``outbox reconcile``): a live relay's partition is left alone.
+    """
+    with translate_errors(), engine.begin() as conn:
+        row = conn.execute(
+            select(relay_leases).where(relay_leases.c.partition == partition)
+        ).first()
+        if row is None:
+            conn.execute(
+                relay_leases.insert().values(
+                    partition=partition, owner=node_id, epoch=1, expires_at_ms=now + ttl_ms,
+                    last_entry_id=entry_ids.ZERO,
+                )
+            )
+            return 1
+        if row.owner is not None and row.expires_at_ms > now:
+            return None
+        result = conn.execute(
+            update(relay_leases)
+            .where(relay_leases.c.partition == partition, relay_leases.c.epoch == row.epoch)
+            .values(owner=node_id, epoch=row.epoch + 1, expires_at_ms=now + ttl_ms)
+        )
+        return row.epoch + 1 if result.rowcount == 1 else None

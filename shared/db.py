@@ -22,7 +22,13 @@ from sqlalchemy import Connection, Engine, create_engine, event, exc, inspect
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
-from shared.errors import OutboxError, SchemaNotReadyError, SchemaTooNewError, UnavailableError
+from shared.errors import (
+    ConfigError,
+    OutboxError,
+    SchemaNotReadyError,
+    SchemaTooNewError,
+    UnavailableError,
+)
 from shared.redaction import redact_url
 
 log = logging.getLogger(__name__)
@@ -38,27 +44,42 @@ def now_ms() -> int:
 
 
 def make_engine(url: str, **kwargs: Any) -> Engine:
-    """A sync engine with our SQLite pragmas or PostgreSQL defaults applied."""
-    parsed = make_url(url)
-    if parsed.get_backend_name() == "sqlite":
-        engine = create_engine(parsed, **kwargs)
-        _tune_sqlite(engine)
-        return engine
-    kwargs.setdefault("pool_pre_ping", True)
-    kwargs.setdefault("connect_args", {"connect_timeout": 10})
-    return create_engine(parsed, **kwargs)
+    """A sync engine with our SQLite pragmas or PostgreSQL defaults applied.
+
+    A URL SQLAlchemy cannot parse, or whose dialect/driver is not installed, is a
+    :class:`ConfigError` (never a traceback with the URL in it).
+    """
+    with _url_errors(url):
+        parsed = make_url(url)
+        if parsed.get_backend_name() == "sqlite":
+            engine = create_engine(parsed, **kwargs)
+            _tune_sqlite(engine)
+            return engine
+        # No pool_pre_ping: it costs a round trip per transaction. A dropped connection fails
+        # its statement instead, SQLAlchemy invalidates the pool, and every caller retries.
+        kwargs.setdefault("connect_args", {"connect_timeout": 10})
+        return create_engine(parsed, **kwargs)
 
 
 def make_async_engine(url: str, **kwargs: Any) -> AsyncEngine:
     """An async engine (aiosqlite or psycopg async) with the same settings."""
-    parsed = make_url(url)
-    if parsed.get_backend_name() == "sqlite":
-        parsed = parsed.set(drivername="sqlite+aiosqlite")
-        engine = create_async_engine(parsed, **kwargs)
-        _tune_sqlite(engine.sync_engine)
-        return engine
-    kwargs.setdefault("pool_pre_ping", True)
-    return create_async_engine(parsed, **kwargs)
+    with _url_errors(url):
+        parsed = make_url(url)
+        if parsed.get_backend_name() == "sqlite":
+            parsed = parsed.set(drivername="sqlite+aiosqlite")
+            engine = create_async_engine(parsed, **kwargs)
+            _tune_sqlite(engine.sync_engine)
+            return engine
+        return create_async_engine(parsed, **kwargs)
+
+
+@contextlib.contextmanager
+def _url_errors(url: str) -> Iterator[None]:
+    try:
+        yield
+    except (exc.ArgumentError, ImportError, ValueError) as err:  # ValueError: a bad port
+        log.debug("database URL error: %s", redact_url(str(err)))
+        raise ConfigError(f"invalid or unsupported database URL {redact_url(url)}") from None
 
 
 def _tune_sqlite(engine: Engine) -> None:

@@ -24,6 +24,7 @@ SPECVERSION = "1.0"
 JSON_CONTENT_TYPE = "application/json"
 REQUIRED_FIELDS = ("specversion", "id", "source", "type", "time")
 MAX_ID_LENGTH = 512
+MAX_REVISION = 2**63 - 1  # the inbox stores revisions as BIGINT
 DEFAULT_MAX_DATA_BYTES = 1_048_576
 
 
@@ -39,9 +40,9 @@ class Event(BaseModel):
     subject: str | None = None
     datacontenttype: str = JSON_CONTENT_TYPE
     data: Any = None
-    aggregatetype: str | None = None
-    aggregateid: str | None = None
-    revision: int | None = Field(default=None, ge=0)
+    aggregatetype: str | None = Field(default=None, max_length=128)  # inbox column sizes
+    aggregateid: str | None = Field(default=None, max_length=256)
+    revision: int | None = Field(default=None, ge=0, le=MAX_REVISION)
     traceparent: str | None = None
 
     def to_fields(self) -> dict[str, str]:
@@ -95,10 +96,10 @@ class Event(BaseModel):
         if text is not None and content_type == JSON_CONTENT_TYPE:
             try:
                 data = json.loads(text)
-            except ValueError:
+            except (ValueError, RecursionError):  # RecursionError: absurdly deep nesting
                 raise InvalidEventError("data is not valid JSON", code="bad_json") from None
         revision = fields.get("revision")
-        if revision is not None and not (revision.isascii() and revision.isdigit()):
+        if revision is not None and not _is_revision(revision):
             raise InvalidEventError("revision must be a non-negative integer", code="bad_revision")
         time = _parse_time(fields["time"])
         known = set(cls.model_fields) - {"data", "revision", "time"}
@@ -123,8 +124,18 @@ def _decode(raw: Mapping[bytes, bytes] | Mapping[str, str]) -> dict[str, str]:
             v = value.decode("utf-8") if isinstance(value, bytes) else value
         except UnicodeDecodeError:
             raise InvalidEventError("a field is not UTF-8 text", code="bad_encoding") from None
+        if "\x00" in k or "\x00" in v:  # PostgreSQL text cannot hold NUL
+            raise InvalidEventError("a field contains a NUL character", code="bad_encoding")
         out[k] = v
     return out
+
+
+def _is_revision(text: str) -> bool:
+    """A non-negative integer that fits the inbox's BIGINT column."""
+    digits = text.lstrip("0")
+    if not (text.isascii() and text.isdigit()) or len(digits) > 19:
+        return False
+    return int(digits or 0) <= MAX_REVISION
 
 
 def _parse_time(text: str) -> datetime:

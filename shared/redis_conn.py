@@ -7,6 +7,7 @@ import logging
 from collections.abc import Iterator
 
 import redis
+from redis.exceptions import NoPermissionError
 
 from shared.errors import ConfigError, UnavailableError
 from shared.redaction import redact_url
@@ -41,11 +42,13 @@ def translate_redis_errors() -> Iterator[None]:
     """
     try:
         yield
+    except redis.AuthenticationError as err:  # a ConnectionError subclass: catch it first
+        raise UnavailableError("Redis refused our credentials") from err
     except (redis.ConnectionError, redis.TimeoutError) as err:
         log.debug("redis error: %s", redact_url(str(err)))
         raise UnavailableError("Redis is unavailable or timed out") from err
-    except redis.AuthenticationError as err:
-        raise UnavailableError("Redis refused our credentials") from err
+    except NoPermissionError as err:  # redis-py strips the "NOPERM" prefix from its text
+        raise UnavailableError("Redis refused the command for our user (ACL)") from err
     except redis.ResponseError as err:
         if str(err).startswith(("NOPERM", "NOAUTH", "WRONGPASS")):
             raise UnavailableError("Redis refused the command for our user (ACL)") from err

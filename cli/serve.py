@@ -1,0 +1,60 @@
+"""``outbox serve``: the HTTP API of the run store (FastAPI on uvicorn).
+
+Startup order: read settings → open the database and check its schema → recover (one sweep:
+runs whose execution lease expired get their ``run.resume``) → listen. The schema check comes
+first so recovery never writes to a database this code does not understand; recovery comes
+before listening so that a run orphaned by a crash is already on its way again when clients can
+see it, instead of being reported as running while nobody executes it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+from types import FrameType
+
+import uvicorn
+
+from consumer.sweeper import sweep
+from producer.http import ServeSettings, create_app
+from producer.runs import store_for
+from shared import db
+from shared.redaction import configure_logging, redact_url
+
+log = logging.getLogger("outbox.serve")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """No flags beyond the settings ones (``--host``, ``--port``, ``--max-body-bytes`` …)."""
+
+
+def main(args: argparse.Namespace) -> int:
+    """Serve until SIGTERM/SIGINT."""
+    from cli import options
+
+    settings = options.load_settings(ServeSettings, args)
+    configure_logging(settings.log_level)
+    engine = db.make_engine(settings.database_url)
+    db.check_schema(engine)
+    store = store_for(settings, source="outbox-api")
+    recovered = sweep(engine, store, max_attempts=settings.run_max_attempts,
+                      limit=settings.sweep_batch)
+    log.info("recovered %d run(s), failed %d", recovered.resumed, recovered.failed)
+    app = create_app(engine, store, max_body_bytes=settings.max_body_bytes)
+    log.info("serving runs of %s on http://%s:%d", redact_url(settings.database_url),
+             settings.host, settings.port)
+    config = uvicorn.Config(app, host=settings.host, port=settings.port,
+                            log_level=settings.log_level.lower(), access_log=False,
+                            log_config=None)
+    # uvicorn catches SIGTERM/SIGINT while serving (graceful shutdown), then restores the
+    # previous handlers and re-raises the signal: with these no-op handlers, the re-raise ends
+    # in a clean exit 0, like the other daemons.
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, _shutdown_done)
+    uvicorn.Server(config).run()
+    return 0
+
+
+def _shutdown_done(_signum: int, _frame: FrameType | None) -> None:
+    """The server already shut down gracefully; nothing is left to do."""

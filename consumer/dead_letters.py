@@ -1,0 +1,311 @@
+"""Dead letters: list, show and replay what consumers set aside.
+
+The consumer copies an entry it cannot handle to its partition's dead-letter stream
+(``prefix:{stream:partition}:dead``, see :mod:`shared.keys`) with the original fields plus
+``dlq.*`` fields saying why (``dlq.reason`` is a reason code), where from (``dlq.stream``,
+``dlq.entry_id``), for which group and after how many deliveries. This module owns every Redis
+command on those streams (``SCAN``, ``XRANGE``, ``XDEL``).
+
+**Replay claims directly; it does not ``XADD`` the entry back.** Re-adding the fields to the
+partition stream would be wrong three ways: the stream would hold the event twice (invariant 2:
+each event at most once per stream, which repair and the torture check rely on); an auto id
+would jump the stream's top ahead of the relay's explicit ids (its next ``XADD`` would be
+refused and counted as an ordering gap); and every *other* group of the stream, which handled
+the event long ago, would receive it again. Instead replay parses the original fields and runs
+them through :func:`consumer.inbox.claim` for the letter's own group, exactly as the consumer
+would: an event already in the inbox is a ``duplicate``, one older than the aggregate's head is
+``stale``, otherwise its handler runs in a savepoint and the receipt commits with its writes.
+So replaying twice, or racing a live consumer, applies the event at most once.
+
+One subtlety: for ``unknown_type`` and ``max_deliveries`` letters the claim already wrote a
+``dead`` receipt, which would make the replay a mere ``duplicate``. Replay therefore deletes a
+``dead`` receipt of that event (never any other outcome) just before claiming. If the claim then
+fails, the letter is still in its stream, so a record of the event always exists.
+
+After a claim settles (``applied``, ``duplicate`` or ``stale``) the letter is deleted with
+``XDEL``: the inbox receipt, which keeps the original stream key and entry id, is now the
+record, and a letter that stays listed would only invite a second (harmless, but confusing)
+replay. Letters that still do not parse, have no handler, or whose handler fails stay put.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, cast
+
+import redis
+from sqlalchemy import Engine, delete
+
+from consumer import inbox
+from consumer.handlers import Handlers
+from shared import keys
+from shared.db import translate_errors
+from shared.envelope import DEFAULT_MAX_DATA_BYTES, Event
+from shared.errors import ConfigError, InvalidEventError, InvalidRequestError, NotFoundError
+from shared.redis_conn import translate_redis_errors
+from shared.schema import inbox as inbox_table
+
+log = logging.getLogger(__name__)
+
+META = "dlq."
+# The suffix keys.dead_letter_key puts after a partition's stream key, derived, not repeated.
+_DEAD_SUFFIX = keys.dead_letter_key("p", "s", 0).removeprefix(keys.stream_key("p", "s", 0))
+SETTLED = (inbox.APPLIED, inbox.DUPLICATE, inbox.STALE)
+
+
+@dataclass(frozen=True)
+class DeadLetter:
+    """One entry of a dead-letter stream: the original fields and the ``dlq.*`` record."""
+
+    key: str  # the dead-letter stream
+    dead_id: str  # the letter's own entry id in that stream
+    stream: str
+    partition: int
+    fields: dict[bytes, bytes]  # the original entry, exactly as read (``dlq.*`` removed)
+    meta: dict[str, str]  # ``dlq.*`` without the prefix: reason, message, stream, entry_id, …
+
+    @property
+    def letter_id(self) -> str:
+        """What ``outbox dlq show/replay`` take: ``stream:partition:dead-entry-id``."""
+        return f"{self.stream}:{self.partition}:{self.dead_id}"
+
+    @property
+    def reason(self) -> str:
+        """The reason code (``missing_field``, ``unknown_type``, ``max_deliveries`` …)."""
+        return self.meta.get("reason", "unknown")
+
+    @property
+    def group(self) -> str:
+        """The consumer group that gave up on the entry."""
+        return self.meta.get("group", "")
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-safe view; field bytes that are not UTF-8 are shown backslash-escaped."""
+        return {
+            "id": self.letter_id,
+            "dead_letter_key": self.key,
+            "reason": self.reason,
+            "message": self.meta.get("message", ""),
+            "stream_key": self.meta.get("stream", ""),
+            "entry_id": self.meta.get("entry_id", ""),
+            "group": self.group,
+            "consumer": self.meta.get("consumer", ""),
+            "deliveries": int(self.meta.get("deliveries", "0") or 0),
+            "time_ms": int(self.meta.get("time_ms", "0") or 0),
+            "fields": {_show(k): _show(v) for k, v in self.fields.items()},
+        }
+
+
+@dataclass(frozen=True)
+class Replayed:
+    """What replay did with one letter; ``removed`` says whether it left the DLQ."""
+
+    letter_id: str
+    outcome: str  # applied | duplicate | stale | failed | invalid | skipped
+    detail: str = ""
+    removed: bool = False
+
+
+def dead_keys(
+    client: redis.Redis, prefix: str, stream: str | None = None, partition: int | None = None
+) -> list[str]:
+    """Every dead-letter stream under ``prefix`` (optionally of one stream/partition), sorted."""
+    if stream is not None and partition is not None:
+        return [keys.dead_letter_key(prefix, stream, partition)]
+    found: list[tuple[str, int, str]] = []
+    with translate_redis_errors():
+        pattern = keys.stream_key_pattern(prefix) + _DEAD_SUFFIX
+        for raw in client.scan_iter(match=pattern, count=1000):
+            key = _text(raw)
+            parsed = keys.parse_stream_key(prefix, key.removesuffix(_DEAD_SUFFIX))
+            if parsed is None:
+                continue
+            if (stream is None or parsed[0] == stream) and (
+                partition is None or parsed[1] == partition
+            ):
+                found.append((parsed[0], parsed[1], key))
+    return [key for _s, _p, key in sorted(found)]
+
+
+def list_letters(
+    client: redis.Redis,
+    prefix: str,
+    *,
+    stream: str | None = None,
+    partition: int | None = None,
+    count: int = 50,
+) -> list[DeadLetter]:
+    """Up to ``count`` letters, oldest first within each dead-letter stream."""
+    out: list[DeadLetter] = []
+    for key in dead_keys(client, prefix, stream, partition):
+        if len(out) >= count:
+            break
+        out += _read(client, prefix, key, "-", count - len(out))
+    return out
+
+
+def show(client: redis.Redis, prefix: str, letter_id: str) -> DeadLetter:
+    """The letter ``stream:partition:entry-id`` (or a bare entry id, if only one stream has it)."""
+    stream, partition, dead_id = parse_letter_id(letter_id)
+    found = [
+        letter
+        for key in dead_keys(client, prefix, stream, partition)
+        for letter in _read(client, prefix, key, dead_id, 1, end=dead_id)
+    ]
+    if not found:
+        raise NotFoundError(f"no dead letter {letter_id!r}")
+    if len(found) > 1:
+        raise InvalidRequestError(
+            f"{letter_id!r} names letters in {len(found)} streams; use stream:partition:id"
+        )
+    return found[0]
+
+
+def parse_letter_id(text: str) -> tuple[str | None, int | None, str]:
+    """``runs:0:1700000000000-0`` → ``("runs", 0, "1700000000000-0")``; a bare id → Nones."""
+    head, _, dead_id = text.rpartition(":")
+    stream, _, part = head.rpartition(":")
+    if not _is_entry_id(dead_id) or (head and not (stream and _is_number(part))):
+        raise InvalidRequestError(
+            f"{text!r} is not a dead letter id (stream:partition:ms-seq, as `dlq list` prints)"
+        )
+    if not head:
+        return None, None, dead_id
+    try:
+        return keys.check_name("stream", stream), int(part), dead_id
+    except ConfigError:
+        raise InvalidRequestError(f"{stream!r} is not a stream name") from None
+
+
+def replay(
+    client: redis.Redis,
+    engine: Engine,
+    letter: DeadLetter,
+    handlers: Handlers,
+    *,
+    group: str,
+    max_data_bytes: int = DEFAULT_MAX_DATA_BYTES,
+) -> Replayed:
+    """Run one letter through the normal claim path of ``group`` (see the module docstring)."""
+    lid = letter.letter_id
+    if letter.group != group:
+        return Replayed(lid, "skipped", f"other_group: the letter belongs to {letter.group!r}")
+    try:
+        event = Event.from_fields(letter.fields, max_data_bytes=max_data_bytes)
+    except InvalidEventError as err:
+        return Replayed(lid, "invalid", err.code)
+    if handlers.get(event.type) is None:
+        return Replayed(lid, "skipped", "unknown_type: no handler for this type")
+    reopen_dead_receipt(engine, group, event.id)
+    delivery = inbox.Delivery(
+        letter.meta.get("stream", ""), letter.meta.get("entry_id", ""), event,
+        int(letter.meta.get("deliveries", "1") or 1),
+    )
+    (outcome,) = inbox.claim(engine, group, [delivery], handlers)
+    if outcome.outcome not in SETTLED:
+        return Replayed(lid, outcome.outcome, outcome.error or "")
+    remove(client, letter)
+    return Replayed(lid, outcome.outcome, "", removed=True)
+
+
+def replay_all(
+    client: redis.Redis,
+    engine: Engine,
+    prefix: str,
+    handlers: Handlers,
+    *,
+    group: str,
+    stream: str | None = None,
+    partition: int | None = None,
+    max_data_bytes: int = DEFAULT_MAX_DATA_BYTES,
+    batch: int = 100,
+) -> list[Replayed]:
+    """Replay every letter of ``group`` (other groups' letters are skipped, not reported)."""
+    results = []
+    for letter in _walk(client, prefix, dead_keys(client, prefix, stream, partition), batch):
+        if letter.group == group:
+            results.append(
+                replay(client, engine, letter, handlers, group=group,
+                       max_data_bytes=max_data_bytes)
+            )
+    return results
+
+
+def remove(client: redis.Redis, letter: DeadLetter) -> None:
+    """``XDEL`` the letter from its dead-letter stream."""
+    with translate_redis_errors():
+        client.xdel(letter.key, letter.dead_id)
+
+
+def reopen_dead_receipt(engine: Engine, group: str, event_id: str) -> int:
+    """Delete the group's ``dead`` receipt of ``event_id`` so the claim can decide again.
+
+    The only SQL statement outside :mod:`consumer.inbox` (whose claim transaction is shared
+    with the daemon); it touches nothing but a ``dead`` outcome. Returns rows deleted (0 or 1).
+    """
+    with translate_errors(), engine.begin() as conn:
+        result = conn.execute(
+            delete(inbox_table).where(
+                inbox_table.c.group_name == group,
+                inbox_table.c.event_id == event_id,
+                inbox_table.c.outcome == inbox.DEAD,
+            )
+        )
+        return int(result.rowcount or 0)
+
+
+def _walk(
+    client: redis.Redis, prefix: str, dead: list[str], batch: int
+) -> Iterator[DeadLetter]:
+    """Every letter of the given streams, read in pages, robust to deletes behind the cursor."""
+    for key in dead:
+        start = "-"
+        while True:
+            page = _read(client, prefix, key, start, batch)
+            yield from page
+            if len(page) < batch:
+                break
+            start = f"({page[-1].dead_id}"
+
+
+def _read(
+    client: redis.Redis, prefix: str, key: str, start: str, count: int, *, end: str = "+"
+) -> list[DeadLetter]:
+    parsed = keys.parse_stream_key(prefix, key.removesuffix(_DEAD_SUFFIX))
+    if parsed is None:
+        return []
+    with translate_redis_errors():
+        reply = client.xrange(key, start, end, count=count)
+    rows = cast(list[tuple[bytes, dict[bytes, bytes]]], reply)
+    return [_letter(key, parsed, _text(dead_id), fields) for dead_id, fields in rows]
+
+
+def _letter(
+    key: str, parsed: tuple[str, int], dead_id: str, raw: Mapping[bytes, bytes]
+) -> DeadLetter:
+    meta = {
+        _text(k)[len(META):]: v.decode("utf-8", "backslashreplace")
+        for k, v in raw.items() if k.startswith(META.encode())
+    }
+    fields = {k: v for k, v in raw.items() if not k.startswith(META.encode())}
+    return DeadLetter(key, dead_id, parsed[0], parsed[1], fields, meta)
+
+
+def _is_entry_id(text: str) -> bool:
+    ms, _, seq = text.partition("-")
+    return _is_number(ms) and _is_number(seq)
+
+
+def _is_number(text: str) -> bool:
+    """Digits only, and small enough for a stream id part (64 bits)."""
+    return text.isascii() and text.isdigit() and len(text) <= 20 and int(text) < 2**64
+
+
+def _show(value: bytes) -> str:
+    return value.decode("utf-8", "backslashreplace")
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value

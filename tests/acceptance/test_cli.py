@@ -1,0 +1,166 @@
+"""The ``outbox`` command as a user runs it: a subprocess, its exit status, its output."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import redis
+
+from shared.settings import CommonSettings, ConsumerSettings, RelaySettings
+from tests.conftest import REDIS_URL
+from tests.helpers import PARTITIONS, enqueue_events
+
+pytestmark = pytest.mark.acceptance
+
+OUTBOX = Path(sys.executable).with_name("outbox")
+
+
+def outbox(
+    *args: str, env: dict[str, str] | None = None, cwd: Path | None = None, timeout: float = 60
+) -> subprocess.CompletedProcess[str]:
+    """Run ``outbox …`` with a clean ``OUTBOX_*`` environment plus ``env``."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
+    return subprocess.run(
+        [str(OUTBOX), *args], env={**base, **(env or {})}, cwd=cwd, capture_output=True,
+        text=True, timeout=timeout, check=False,
+    )
+
+
+def flags(model: type[CommonSettings]) -> list[str]:
+    return ["--" + name.replace("_", "-") for name in model.model_fields]
+
+
+@pytest.mark.parametrize(
+    ("command", "model"),
+    [
+        ((), None),
+        (("db",), None),
+        (("db", "upgrade"), CommonSettings),
+        (("db", "check"), CommonSettings),
+        (("relay",), RelaySettings),
+        (("consume",), ConsumerSettings),
+        (("status",), CommonSettings),
+        (("demo",), CommonSettings),
+    ],
+    ids=lambda v: " ".join(v) if isinstance(v, tuple) else "",
+)
+def test_help_lists_every_settings_flag(
+    command: tuple[str, ...], model: type[CommonSettings] | None
+) -> None:
+    result = outbox(*command, "--help")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("usage: outbox")
+    for flag in flags(model) if model else []:
+        assert flag in result.stdout, f"{flag} missing from `outbox {' '.join(command)} --help`"
+
+
+def test_help_names_every_subcommand() -> None:
+    top = outbox("--help").stdout
+    for name in ("db", "relay", "consume", "status", "demo"):
+        assert name in top
+    assert "upgrade" in outbox("db", "--help").stdout
+
+
+def test_db_upgrade_then_check(tmp_path: Path) -> None:
+    env = {"OUTBOX_DATABASE_URL": f"sqlite:///{tmp_path}/x.db"}
+    before = outbox("db", "check", env=env)
+    assert before.returncode == 1
+    assert before.stderr.startswith("error schema_not_ready: ")
+    upgraded = outbox("db", "upgrade", env=env)
+    assert upgraded.returncode == 0, upgraded.stderr
+    assert "is at schema" in upgraded.stdout
+    checked = outbox("db", "check", env=env)
+    assert checked.returncode == 0, checked.stderr
+    assert "schema is current" in checked.stdout
+
+
+def test_flag_overrides_environment(tmp_path: Path) -> None:
+    env = {"OUTBOX_DATABASE_URL": f"sqlite:///{tmp_path}/env.db"}
+    result = outbox("db", "upgrade", "--database-url", f"sqlite:///{tmp_path}/flag.db", env=env)
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "flag.db").exists() and not (tmp_path / "env.db").exists()
+
+
+def test_relay_until_idle_then_status_json(
+    tmp_path: Path, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    from shared import db
+
+    url = f"sqlite:///{tmp_path}/x.db"
+    env = {"OUTBOX_DATABASE_URL": url, "OUTBOX_REDIS_URL": REDIS_URL,
+           "OUTBOX_KEY_PREFIX": key_prefix, "OUTBOX_PARTITIONS": str(PARTITIONS)}
+    assert outbox("db", "upgrade", env=env).returncode == 0
+    engine = db.make_engine(url)
+    try:
+        enqueue_events(engine, 12)
+    finally:
+        engine.dispose()
+    relayed = outbox("relay", "--until-idle", env=env)
+    assert relayed.returncode == 0, relayed.stderr
+
+    result = outbox("status", "--json", env=env)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["outbox"]["undelivered"] == 0
+    assert report["outbox"]["delivered"] == 12
+    assert sum(s["length"] for s in report["streams"]) == 12
+    assert {s["stream"] for s in report["streams"]} == {"runs"}
+    table = outbox("status", env=env)
+    assert table.returncode == 0 and "12 delivered" in table.stdout
+
+
+def test_demo_consumes_every_run(tmp_path: Path) -> None:
+    env = {"OUTBOX_DATABASE_URL": f"sqlite:///{tmp_path}/demo.db", "OUTBOX_REDIS_URL": REDIS_URL}
+    result = outbox("demo", "--runs", "50", "--json", "--timeout", "120", env=env, cwd=tmp_path,
+                    timeout=180)
+    summary = json.loads(result.stdout) if result.stdout.strip() else {}
+    try:
+        assert result.returncode == 0, result.stderr
+        assert summary["created"] == 50
+        assert summary["dead"] == 0
+        # Every run's events were consumed: one per run, or more where runs also advance
+        # (then "completed" counts the runs that reached the end).
+        assert summary["consumed"] >= 50
+        assert summary.get("completed", summary["consumed"]) == 50
+    finally:
+        prefix = summary.get("key_prefix")
+        if prefix:  # the demo leaves its streams for people to inspect; tests clean up
+            client = redis.Redis.from_url(REDIS_URL)
+            for key in client.scan_iter(match=f"{prefix}:*", count=1000):
+                client.delete(key)
+            client.close()
+
+
+@pytest.mark.parametrize(
+    ("args", "code"),
+    [
+        (("db", "check", "--database-url", "not a url"), "invalid_config"),
+        (("db", "check", "--database-url", "nosuchdb://u:hunter2@h/x"), "invalid_config"),
+        (("db", "check", "--database-url", "postgresql://u:hunter2@127.0.0.1:1/x"),
+         "unavailable"),
+        (("status", "--database-url", "sqlite:///{tmp}/x.db", "--redis-url", "bogus://x"),
+         "invalid_config"),
+        (("db", "upgrade", "--database-url", "sqlite:///{tmp}/missing/dir/x.db"), "unavailable"),
+        (("relay", "--partitions", "0"), "invalid_config"),
+        (("relay", "--key-prefix", "a b"), "invalid_config"),
+    ],
+    ids=["unparsable-db-url", "unknown-dialect", "unreachable-db", "bad-redis-url",
+         "unwritable-sqlite", "bad-partitions", "bad-prefix"],
+)
+def test_errors_are_one_coded_line_without_traceback_or_secret(
+    tmp_path: Path, args: tuple[str, ...], code: str
+) -> None:
+    if "status" in args:
+        upgraded = outbox("db", "upgrade", "--database-url", f"sqlite:///{tmp_path}/x.db")
+        assert upgraded.returncode == 0
+    result = outbox(*(a.replace("{tmp}", str(tmp_path)) for a in args), timeout=60)
+    assert result.returncode == (2 if code == "invalid_config" else 1)
+    assert result.stderr.startswith(f"error {code}: "), result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    assert "hunter2" not in result.stderr + result.stdout

@@ -1,0 +1,110 @@
+"""``outbox dlq list | show | replay`` as a user runs them (the CLI as a subprocess).
+
+Dead letters are made by a consumer that has no handler for ``run.created``; the replay then
+uses the demo app, which has one, so the letters go through the claim path and are applied.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+import redis
+from sqlalchemy import select
+
+from consumer import Handlers
+from consumer.daemon import Consumer
+from shared import db, keys
+from shared.schema import inbox
+from shared.settings import ConsumerSettings
+from tests.conftest import REDIS_URL
+
+pytestmark = pytest.mark.acceptance
+
+ROOT = Path(__file__).resolve().parents[2]
+GROUP = "cli-g"
+
+
+def event(kind: str = "run.created") -> dict[bytes, bytes]:
+    return {b"specversion": b"1.0", b"id": f"r-{uuid.uuid4()}:{kind}:1".encode(),
+            b"source": b"test", b"type": kind.encode(), b"time": b"2024-05-01T12:00:00Z",
+            b"data": b"null"}
+
+
+@pytest.fixture
+def env(tmp_path: Path, key_prefix: str, redis_client: redis.Redis) -> dict[str, str]:
+    database_url = f"sqlite:///{tmp_path}/cli.db"
+    db.upgrade(db.make_engine(database_url))
+    return {**os.environ, "OUTBOX_DATABASE_URL": database_url, "OUTBOX_REDIS_URL": REDIS_URL,
+            "OUTBOX_KEY_PREFIX": key_prefix, "OUTBOX_PARTITIONS": "2", "OUTBOX_GROUP": GROUP,
+            "OUTBOX_STREAMS": "runs"}
+
+
+def outbox(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "cli.main", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)
+
+
+def make_dead_letters(env: dict[str, str], client: redis.Redis) -> list[bytes]:
+    """Two unknown-type letters (partitions 0 and 1) and one that never parses."""
+    prefix = env["OUTBOX_KEY_PREFIX"]
+    ids = [client.xadd(keys.stream_key(prefix, "runs", 0), event()),  # type: ignore[arg-type]
+           client.xadd(keys.stream_key(prefix, "runs", 1), event()),  # type: ignore[arg-type]
+           client.xadd(keys.stream_key(prefix, "runs", 1), {b"type": b"\xff"})]
+    settings = ConsumerSettings(database_url=env["OUTBOX_DATABASE_URL"], key_prefix=prefix,
+                                partitions=2, group=GROUP, consumer="c", block_ms=1)
+    engine = db.make_engine(settings.database_url)
+    Consumer(settings, engine, client, Handlers()).run_once(block_ms=1)
+    engine.dispose()
+    return ids
+
+
+def test_list_show_replay(env: dict[str, str], redis_client: redis.Redis) -> None:
+    make_dead_letters(env, redis_client)
+    table = outbox(env, "dlq", "list")
+    assert table.returncode == 0, table.stderr
+    assert table.stdout.count("unknown_type") == 2 and "bad_encoding" in table.stdout
+    listed = json.loads(outbox(env, "dlq", "list", "--json").stdout)
+    assert [x["reason"] for x in listed] == ["unknown_type", "unknown_type", "bad_encoding"]
+    assert listed[2]["fields"] == {"type": "\\xff"}
+    only = json.loads(outbox(env, "dlq", "list", "--stream", "runs", "--partition", "0",
+                             "--json").stdout)
+    assert [x["id"] for x in only] == [listed[0]["id"]]
+    assert outbox(env, "dlq", "list", "--partition", "0").returncode == 2
+
+    shown = outbox(env, "dlq", "show", listed[0]["id"])
+    assert shown.returncode == 0
+    assert "unknown_type" in shown.stdout and "run.created" in shown.stdout
+    assert json.loads(outbox(env, "dlq", "show", listed[1]["id"], "--json").stdout) == listed[1]
+    missing = outbox(env, "dlq", "show", "runs:0:1-1")
+    assert missing.returncode == 1 and "error not_found" in missing.stderr
+
+    one = outbox(env, "dlq", "replay", listed[0]["id"], "--app", "cli.demo_app:handlers")
+    assert one.returncode == 0, one.stdout + one.stderr
+    assert "applied" in one.stdout and "1 replayed" in one.stdout
+    again = outbox(env, "dlq", "replay", listed[0]["id"], "--app", "cli.demo_app:handlers")
+    assert again.returncode == 1 and "error not_found" in again.stderr
+
+    rest = outbox(env, "dlq", "replay", "--all", "--app", "cli.demo_app:handlers", "--json")
+    assert rest.returncode == 1  # the unparsable letter stays
+    outcomes = {r["letter_id"]: (r["outcome"], r["removed"]) for r in json.loads(rest.stdout)}
+    assert outcomes == {listed[1]["id"]: ("applied", True),
+                        listed[2]["id"]: ("invalid", False)}
+    left = json.loads(outbox(env, "dlq", "list", "--json").stdout)
+    assert [x["id"] for x in left] == [listed[2]["id"]]
+    engine = db.make_engine(env["OUTBOX_DATABASE_URL"])
+    with engine.connect() as conn:
+        receipts = sorted(conn.execute(select(inbox.c.outcome)).scalars())
+    engine.dispose()
+    assert receipts == ["applied", "applied"]
+
+
+def test_replay_needs_an_id_or_all(env: dict[str, str]) -> None:
+    result = outbox(env, "dlq", "replay")
+    assert result.returncode == 2 and "--all" in result.stderr
+    assert outbox(env, "dlq", "replay", "x:0:1-1", "--all").returncode == 2

@@ -1,0 +1,45 @@
+"""The short torture run (``python -m torture --quick``) as part of ``make test``.
+
+Real daemons as subprocesses on SQLite and PostgreSQL with a Redis of the harness's own; every
+relay, consumer and producer fault point fires at least once, Redis is SIGKILLed, restarted empty
+and stalled, PostgreSQL sessions are terminated; the verdict must be clean.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from torture.chaos import BROKER_FAULTS, DB_FAULT, POINTS_BY_KIND
+
+pytestmark = [pytest.mark.acceptance, pytest.mark.timeout(400)]
+
+ROOT = Path(__file__).resolve().parents[2]
+KILLED_KINDS = ("producer", "relay", "consumer")
+
+
+def test_quick_torture_on_both_databases_loses_and_duplicates_nothing(tmp_path: Path) -> None:
+    out = tmp_path / "report.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torture", "--quick", "--database", "both", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=390, check=False,
+    )
+    assert out.exists(), proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    for run in report["runs"]:
+        assert run["violations"] == [], (run, proc.stdout[-3000:])
+        assert run["events"] > 0
+        assert run["lost"] == run["duplicate_entries"] == run["duplicate_effects"] == 0
+        for kind in KILLED_KINDS:
+            for point in POINTS_BY_KIND[kind]:
+                assert run["kills"].get(point, 0) >= 1, (run["database"], point)
+        for fault in BROKER_FAULTS:
+            assert run["infra_faults"].get(fault, 0) >= 1
+        assert run["repaired_entries"] > 0  # the empty restart lost data and it came back
+    postgres = next(r for r in report["runs"] if r["database"] == "postgresql")
+    assert postgres["infra_faults"].get(DB_FAULT, 0) >= 1
+    assert proc.returncode == 0

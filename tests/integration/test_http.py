@@ -1,0 +1,78 @@
+"""The HTTP app in process (both databases): limits and error shapes a live server rarely hits."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from fastapi import FastAPI
+from sqlalchemy import Engine
+
+from producer.http import create_app
+from producer.runs import RunStore
+from shared import db
+
+pytestmark = pytest.mark.integration
+
+
+def assert_error(response: httpx.Response, status: int, code: str) -> None:
+    assert response.status_code == status
+    body = response.json()
+    assert body == {"error": {"code": code, "message": body["error"]["message"]}}
+    assert "Traceback" not in response.text
+
+
+def call(app: FastAPI, method: str, url: str, **kwargs: Any) -> httpx.Response:
+    """One request through the ASGI app (the chunks of a generator body arrive one by one)."""
+
+    async def go() -> httpx.Response:
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            return await client.request(method, url, **kwargs)
+
+    return asyncio.run(go())
+
+
+async def chunks(size: int) -> AsyncIterator[bytes]:
+    yield b'{"request": {"cv": "'
+    for _ in range(size // 100):
+        yield b"x" * 100
+    yield b'"}}'
+
+
+def test_streamed_body_over_the_limit_is_refused(engine: Engine) -> None:
+    app = create_app(engine, RunStore(), max_body_bytes=1024)
+    json_type = {"content-type": "application/json"}
+    small = call(app, "POST", "/runs", content=chunks(200), headers=json_type)
+    assert small.status_code == 201
+    big = call(app, "POST", "/runs", content=chunks(5_000), headers=json_type)
+    assert "content-length" not in big.request.headers
+    assert_error(big, 413, "payload_too_large")
+
+
+def test_database_down_is_503_without_driver_text(tmp_path: Path) -> None:
+    broken = db.make_engine(f"sqlite:///{tmp_path}/missing/dir/x.db")
+    response = call(create_app(broken, RunStore()), "GET", "/runs/r1")
+    assert_error(response, 503, "unavailable")
+    assert "sqlite" not in response.text.lower() and str(tmp_path) not in response.text
+
+
+def test_unexpected_error_is_500_without_trace(engine: Engine) -> None:
+    class Exploding(RunStore):
+        def get(self, *args: object, **kwargs: object) -> object:  # type: ignore[override]
+            raise RuntimeError("secret internals")
+
+    response = call(create_app(engine, Exploding()), "GET", "/runs/r1")
+    assert_error(response, 500, "internal")
+    assert "secret" not in response.text
+
+
+def test_openapi_documents_the_error_shape(engine: Engine) -> None:
+    spec = call(create_app(engine, RunStore()), "GET", "/openapi.json").json()
+    answers = spec["paths"]["/runs/{run_id}/answers"]["post"]
+    assert {"404", "409", "422", "503"} <= set(answers["responses"])
+    assert any(p["name"].lower() == "idempotency-key" for p in answers["parameters"])

@@ -1,0 +1,91 @@
+"""Handlers opted in with ``inbox.batchable`` skip their savepoints without changing outcomes."""
+
+from __future__ import annotations
+
+import pytest
+from sqlalchemy import Connection, Engine, select
+
+from consumer import inbox
+from consumer.handlers import Handlers
+from shared.envelope import Event
+from shared.schema import inbox as inbox_table
+from tests.helpers import create_effects, effect_counts, event, record_effect
+
+pytestmark = pytest.mark.integration
+
+
+def deliveries(events: list[Event]) -> list[inbox.Delivery]:
+    return [inbox.Delivery("k", f"1-{i}", ev, 1) for i, ev in enumerate(events)]
+
+
+def receipts(engine: Engine) -> dict[str, str]:
+    with engine.connect() as conn:
+        rows = conn.execute(select(inbox_table.c.event_id, inbox_table.c.outcome))
+        return {event_id: outcome for event_id, outcome in rows}
+
+
+def test_batchable_handlers_apply_a_batch_in_one_pass(engine: Engine) -> None:
+    create_effects(engine)
+    calls: list[str] = []
+
+    @inbox.batchable
+    def handler(conn: Connection, ev: Event) -> None:
+        calls.append(ev.id)
+        record_effect(conn, ev)
+
+    handlers = Handlers()
+    handlers.register("*", handler)
+    events = [event(f"a{i}", 1) for i in range(5)]
+    outcomes = inbox.claim(engine, "g", deliveries(events), handlers)
+    assert [o.outcome for o in outcomes] == [inbox.APPLIED] * 5
+    assert calls == [ev.id for ev in events]  # no retry: each ran once
+    assert effect_counts(engine) == {ev.id: 1 for ev in events}
+
+
+def test_a_failing_batchable_handler_fails_alone_and_drops_scheduled_work(
+    engine: Engine,
+) -> None:
+    create_effects(engine)
+    events = [event(f"b{i}", 1) for i in range(3)]
+    bad = events[1].id
+    handlers = Handlers()
+
+    @inbox.batchable
+    def handler(conn: Connection, ev: Event) -> None:
+        record_effect(conn, ev)
+        handlers.after_commit(ev.id, lambda: None)
+        if ev.id == bad:
+            raise RuntimeError("boom")
+
+    handlers.register("*", handler)
+    outcomes = inbox.claim(engine, "g", deliveries(events), handlers)
+    assert [o.outcome for o in outcomes] == [inbox.APPLIED, inbox.FAILED, inbox.APPLIED]
+    # Same end state as with a savepoint per handler: the failure's writes rolled back alone.
+    assert effect_counts(engine) == {events[0].id: 1, events[2].id: 1}
+    assert receipts(engine) == {events[0].id: inbox.APPLIED, events[2].id: inbox.APPLIED}
+    # Callbacks of the rolled-back first pass are gone: one per applied event is left.
+    assert len(handlers.take_after_commit({events[0].id, events[2].id})) == 2
+
+
+def test_a_batch_mixing_opted_in_and_plain_handlers_keeps_savepoints(engine: Engine) -> None:
+    create_effects(engine)
+    calls: list[str] = []
+
+    def plain(conn: Connection, ev: Event) -> None:
+        calls.append(ev.id)
+        record_effect(conn, ev)
+        if ev.aggregateid == "c1":
+            raise RuntimeError("boom")
+
+    @inbox.batchable
+    def opted_in(conn: Connection, ev: Event) -> None:
+        record_effect(conn, ev)
+
+    handlers = Handlers()
+    handlers.register("thing.happened", plain)
+    handlers.register("other.thing", opted_in)
+    events = [event("c0", 1), event("c1", 1), event("c2", 1, type="other.thing")]
+    outcomes = inbox.claim(engine, "g", deliveries(events), handlers)
+    assert [o.outcome for o in outcomes] == [inbox.APPLIED, inbox.FAILED, inbox.APPLIED]
+    assert calls == [events[0].id, events[1].id]  # the plain handler never ran twice
+    assert effect_counts(engine) == {events[0].id: 1, events[2].id: 1}

@@ -1,0 +1,378 @@
+"""The relay against the real Redis and both databases: exactly one stream entry per committed
+event, whatever crashes, timeouts, takeovers and gaps happen in between."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections import Counter
+from pathlib import Path
+from typing import Any, cast
+
+import pytest
+import redis
+from sqlalchemy import Engine, select, update
+
+from producer import Producer
+from relay import append, store
+from relay.daemon import Relay
+from shared import keys
+from shared.db import now_ms
+from shared.envelope import Event
+from shared.errors import LeaseLostError, UnavailableError
+from shared.redis_conn import connect_redis
+from shared.schema import relay_leases, relay_nodes
+from tests.conftest import REDIS_URL
+from tests.helpers import (
+    PARTITIONS,
+    STREAM,
+    enqueue_events,
+    outbox_rows,
+    partition_of,
+    private_redis,
+    relay_settings,
+    stream_entries,
+    undelivered,
+    wait_until,
+)
+
+pytestmark = pytest.mark.integration
+
+TTL = 10_000
+
+
+def assert_each_once(client: redis.Redis, prefix: str, event_ids: list[str]) -> None:
+    """Every id exactly once in the streams, nothing else there."""
+    seen = Counter(fields["id"] for _p, _id, fields in stream_entries(client, prefix))
+    assert seen == Counter(event_ids)
+
+
+def assert_all_marked(engine: Engine, client: redis.Redis, prefix: str) -> None:
+    """Each row is delivered, and its stored entry id is where Redis holds its event."""
+    by_id = {fields["id"]: (p, entry_id) for p, entry_id, fields in stream_entries(client, prefix)}
+    for row in outbox_rows(engine):
+        assert row.delivered_at_ms is not None, row.event_id
+        assert by_id[row.event_id] == (row.partition, row.entry_id)
+
+
+def lease_owners(engine: Engine) -> dict[int, str | None]:
+    with engine.connect() as conn:
+        return dict(conn.execute(select(relay_leases.c.partition, relay_leases.c.owner)).all())
+
+
+def expire_lease(engine: Engine, partition: int) -> None:
+    """What the clock does to the lease of a relay that stalls past its TTL."""
+    with engine.begin() as conn:
+        conn.execute(
+            update(relay_leases).where(relay_leases.c.partition == partition)
+            .values(expires_at_ms=0)
+        )
+
+
+def let_die(engine: Engine, node_id: str) -> None:
+    """What the clock does to a dead relay: its heartbeat and all its leases run out."""
+    with engine.begin() as conn:
+        conn.execute(update(relay_nodes).where(relay_nodes.c.node_id == node_id)
+                     .values(expires_at_ms=0))
+        conn.execute(update(relay_leases).where(relay_leases.c.owner == node_id)
+                     .values(expires_at_ms=0))
+
+
+def test_every_committed_event_appears_once_with_its_entry_id(
+    engine: Engine, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    ids = enqueue_events(engine, 40)
+    with engine.connect() as conn:  # a rolled-back event is never relayed
+        tx = conn.begin()
+        Producer(partitions=PARTITIONS).enqueue(conn, type="never", stream=STREAM)
+        tx.rollback()
+    stats = Relay(relay_settings(key_prefix), engine, redis_client).run(until_idle=True)
+
+    assert stats.delivered == 40 and stats.already_present == 0
+    assert_each_once(redis_client, key_prefix, ids)
+    assert_all_marked(engine, redis_client, key_prefix)
+    rows = {r.event_id: r for r in outbox_rows(engine)}
+    for partition, _entry_id, fields in stream_entries(redis_client, key_prefix):
+        event = Event.from_fields(fields)
+        row = rows[event.id]
+        assert fields["specversion"] == "1.0"
+        assert (event.type, event.source, event.subject) == ("thing.happened", "tests",
+                                                             row.aggregate_id)
+        assert (event.aggregatetype, event.aggregateid, event.revision) == (
+            "thing", row.aggregate_id, row.revision)
+        assert event.data == {"i": ids.index(event.id)}
+        assert partition == row.partition == partition_of(row.aggregate_id)
+    assert set(lease_owners(engine).values()) == {None}  # released on exit
+
+
+def test_delayed_events_wait_for_their_time(
+    engine: Engine, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    with engine.begin() as conn:
+        Producer(partitions=PARTITIONS).enqueue(conn, type="later", stream=STREAM,
+                                                 delay_ms=3_600_000)
+    ids = enqueue_events(engine, 3)
+    Relay(relay_settings(key_prefix), engine, redis_client).run(until_idle=True)
+    assert_each_once(redis_client, key_prefix, ids)
+    assert undelivered(engine) == 1
+
+
+def test_events_of_one_aggregate_keep_revision_order_in_one_partition(
+    engine: Engine, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    enqueue_events(engine, 36, aggregates=3)
+    stats = Relay(relay_settings(key_prefix, batch_size=5), engine, redis_client).run(
+        until_idle=True
+    )
+    assert stats.delivered == 36
+    for n in range(3):
+        aggregate = f"agg-{n}"
+        mine = [(p, f) for p, _id, f in stream_entries(redis_client, key_prefix)
+                if f["aggregateid"] == aggregate]
+        assert {p for p, _f in mine} == {partition_of(aggregate)}
+        assert [int(f["revision"]) for _p, f in mine] == list(range(1, 13))
+
+
+def test_two_relays_split_partitions_and_never_publish_twice(
+    engine: Engine, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    # Leases are re-balanced every TTL/3; a TTL far above one round keeps the split stable.
+    a = Relay(relay_settings(key_prefix, node_id="a", lease_ttl_ms=3000), engine, redis_client)
+    b = Relay(relay_settings(key_prefix, node_id="b", lease_ttl_ms=3000), engine, redis_client)
+
+    def split() -> bool:
+        a.run_once()
+        b.run_once()
+        return set(a.leases).isdisjoint(b.leases) and len(a.leases) == len(b.leases) == 2
+
+    wait_until(split, what="the two relays to share the partitions")
+    assert set(a.leases) | set(b.leases) == set(range(PARTITIONS))
+    ids = enqueue_events(engine, 80)
+    wait_until(lambda: (a.run_once(), b.run_once()) and undelivered(engine) == 0,
+               what="every event to be delivered")
+
+    assert a.stats.lease_losses == b.stats.lease_losses == 0
+    per_partition = Counter(partition_of(f"agg-{i % 8}") for i in range(80))
+    assert a.stats.delivered == sum(per_partition[p] for p in a.leases)
+    assert b.stats.delivered == sum(per_partition[p] for p in b.leases)
+    assert a.stats.delivered + b.stats.delivered == 80
+    assert_each_once(redis_client, key_prefix, ids)
+    assert_all_marked(engine, redis_client, key_prefix)
+
+
+def test_concurrent_relays_with_a_concurrent_producer(
+    engine: Engine, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    relays = [
+        Relay(relay_settings(key_prefix, node_id=name, lease_ttl_ms=1000, batch_size=7),
+              engine, connect_redis(REDIS_URL))
+        for name in ("a", "b")
+    ]
+    threads = [threading.Thread(target=r.run, daemon=True) for r in relays]
+    for t in threads:
+        t.start()
+    ids: list[str] = []
+    try:
+        for start in range(0, 120, 10):
+            ids += enqueue_events(engine, 10, first=start)
+        wait_until(lambda: undelivered(engine) == 0, what="every event to be delivered")
+    finally:
+        for r in relays:
+            r.stop()
+        for t in threads:
+            t.join(timeout=30)
+    assert not any(t.is_alive() for t in threads)
+    assert sum(r.stats.delivered for r in relays) == 120
+    assert_each_once(redis_client, key_prefix, ids)
+    assert_all_marked(engine, redis_client, key_prefix)
+
+
+@pytest.mark.parametrize("appended", ["all", "half"])
+def test_relay_killed_between_xadd_and_mark(
+    engine: Engine, redis_client: redis.Redis, key_prefix: str, appended: str
+) -> None:
+    ids = enqueue_events(engine, 24)
+    leases = store.acquire_leases(engine, "doomed", PARTITIONS, TTL, now_ms())
+    landed = 0
+    for partition, epoch in leases.items():
+        rows = store.claim(engine, partition, "doomed", epoch, 100, TTL, now_ms())
+        if appended == "half":
+            rows = rows[: len(rows) // 2]
+        verdicts = append.append(redis_client, key_prefix, rows)
+        landed += len(verdicts.delivered)
+    # ... and the process dies here: no settle; its heartbeat and leases run out.
+    let_die(engine, "doomed")
+    assert undelivered(engine) == 24
+
+    stats = Relay(relay_settings(key_prefix, node_id="fresh"), engine, redis_client).run(
+        until_idle=True
+    )
+    assert stats.already_present == landed == (24 if appended == "all" else 12)
+    assert stats.delivered == 24
+    assert_each_once(redis_client, key_prefix, ids)
+    assert_all_marked(engine, redis_client, key_prefix)
+
+
+class LostReply:
+    """A Redis client whose next ``n`` pipelines really run, then report a timeout: the
+    outcome a relay sees when the reply is lost."""
+
+    def __init__(self, real: redis.Redis, n: int = 1) -> None:
+        self.real, self.remaining = real, n
+
+    def pipeline(self, transaction: bool = True) -> Any:
+        pipe = self.real.pipeline(transaction=transaction)
+        if self.remaining > 0:
+            self.remaining -= 1
+            execute = pipe.execute
+
+            def execute_then_time_out(raise_on_error: bool = True) -> Any:
+                execute(raise_on_error=raise_on_error)
+                raise redis.TimeoutError("Timeout reading from socket")
+
+            pipe.execute = execute_then_time_out  # type: ignore[method-assign]
+        return pipe
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)
+
+
+def test_timeout_with_unknown_outcome_causes_no_duplicate(
+    engine: Engine, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    ids = enqueue_events(engine, 10, aggregates=1)
+    client = cast(redis.Redis, LostReply(redis_client))
+    stats = Relay(relay_settings(key_prefix), engine, client).run(until_idle=True)
+    assert stats.unknown_outcomes == 10
+    assert stats.already_present == 10 and stats.delivered == 10
+    assert_each_once(redis_client, key_prefix, ids)
+    assert_all_marked(engine, redis_client, key_prefix)
+    assert {r.attempts for r in outbox_rows(engine)} == {2}
+
+
+def test_stalled_redis_timeout_causes_no_duplicate(
+    engine: Engine, key_prefix: str, tmp_path: Path
+) -> None:
+    with private_redis(tmp_path / "redis") as url:
+        client = connect_redis(url, timeout_s=0.2)
+        relay = Relay(relay_settings(key_prefix, redis_url=url), engine, client)
+        relay.run_once()  # takes the leases while there is nothing to deliver
+        client.ping()  # the relay's connection is open before Redis stalls
+        ids = enqueue_events(engine, 10, aggregates=1)
+        stall = redis.Redis.from_url(url).connection_pool.get_connection()
+        stall.send_command("DEBUG", "SLEEP", "1")  # no reply awaited: Redis stops answering
+        probe = redis.Redis.from_url(url, socket_timeout=0.05)
+
+        def stalled() -> bool:
+            try:
+                probe.ping()
+                return False
+            except redis.TimeoutError:
+                return True
+
+        wait_until(stalled, what="Redis to stall")
+        with pytest.raises(UnavailableError):
+            relay.run_once()  # XADDs sent, no reply within the socket timeout
+        assert {r.last_error for r in outbox_rows(engine)} == {"unknown_outcome"}
+        checker = redis.Redis.from_url(url, socket_timeout=5)
+        key = keys.stream_key(key_prefix, STREAM, partition_of("agg-0"))
+        wait_until(lambda: checker.xlen(key) == 10, what="the timed-out XADDs to land")
+
+        stats = relay.run(until_idle=True)
+        assert stats.already_present == 10
+        assert_each_once(checker, key_prefix, ids)
+        assert_all_marked(engine, checker, key_prefix)
+        for c in (client, probe, checker):
+            c.close()
+        stall.disconnect()
+
+
+@pytest.mark.parametrize("late_xadd", ["before_takeover_append", "after_takeover_mark"])
+def test_fenced_out_relay_cannot_mark_and_its_late_xadd_does_not_duplicate(
+    engine: Engine, redis_client: redis.Redis, key_prefix: str, late_xadd: str
+) -> None:
+    ids = enqueue_events(engine, 12, aggregates=1)
+    partition = partition_of("agg-0")
+    old = store.acquire_leases(engine, "old", PARTITIONS, TTL, now_ms())
+    stale_rows = store.claim(engine, partition, "old", old[partition], 100, TTL, now_ms())
+    assert len(stale_rows) == 12
+    expire_lease(engine, partition)  # "old" stalls past its lease
+    new = store.acquire_leases(engine, "new", PARTITIONS, TTL, now_ms())
+    assert new[partition] == old[partition] + 1
+    fresh_rows = store.claim(engine, partition, "new", new[partition], 100, TTL, now_ms())
+    assert [r.entry_id for r in fresh_rows] == [r.entry_id for r in stale_rows]
+
+    if late_xadd == "before_takeover_append":
+        append.append(redis_client, key_prefix, stale_rows)
+    verdicts = append.append(redis_client, key_prefix, fresh_rows)
+    store.settle(engine, partition, "new", new[partition], TTL, now_ms(),
+                 delivered=verdicts.delivered, gaps=verdicts.gaps, failed=verdicts.failed)
+    if late_xadd == "after_takeover_mark":
+        late = append.append(redis_client, key_prefix, stale_rows)
+        assert late.already == 12 and not late.gaps
+    with pytest.raises(LeaseLostError) as info:
+        store.settle(engine, partition, "old", old[partition], TTL, now_ms(),
+                     delivered=[(r.seq, r.entry_id) for r in stale_rows], gaps=[], failed=[])
+    assert info.value.code == "lease_lost"
+    with pytest.raises(LeaseLostError):
+        store.claim(engine, partition, "old", old[partition], 100, TTL, now_ms())
+    stale_relay = Relay(relay_settings(key_prefix, node_id="old"), engine, redis_client)
+    with pytest.raises(LeaseLostError):
+        stale_relay.relay_partition(partition, old[partition])
+
+    assert_each_once(redis_client, key_prefix, ids)
+    assert_all_marked(engine, redis_client, key_prefix)
+
+
+def test_ordering_gap_is_republished_at_the_top_once(
+    engine: Engine, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    ids = enqueue_events(engine, 3, aggregates=1)
+    partition = partition_of("agg-0")
+    leases = store.acquire_leases(engine, "a", PARTITIONS, TTL, now_ms())
+    first, middle, last = store.claim(engine, partition, "a", leases[partition], 100, TTL,
+                                      now_ms())
+    # The middle XADD failed (say OOM) while its neighbours landed: the top moved past it.
+    verdicts = append.append(redis_client, key_prefix, [first, last])
+    store.settle(engine, partition, "a", leases[partition], TTL, now_ms(),
+                 delivered=verdicts.delivered, gaps=[], failed=[(middle.seq, "redis_oom")])
+
+    stats = Relay(relay_settings(key_prefix, node_id="a"), engine, redis_client).run(
+        until_idle=True
+    )
+    assert stats.ordering_gaps == 1 and stats.delivered == 1
+    assert_each_once(redis_client, key_prefix, ids)
+    assert_all_marked(engine, redis_client, key_prefix)
+    order = [f["id"] for _p, _id, f in stream_entries(redis_client, key_prefix)]
+    assert order == [first.event_id, last.event_id, middle.event_id]
+    republished = next(r for r in outbox_rows(engine) if r.seq == middle.seq)
+    assert republished.entry_id != middle.entry_id and republished.last_error is None
+
+
+def test_sigterm_stops_the_relay_command_cleanly(
+    engine: Engine, database_url: str, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    ids = enqueue_events(engine, 5)
+    env = {**os.environ, "OUTBOX_DATABASE_URL": database_url, "OUTBOX_REDIS_URL": REDIS_URL,
+           "OUTBOX_KEY_PREFIX": key_prefix, "OUTBOX_PARTITIONS": str(PARTITIONS),
+           "OUTBOX_POLL_MAX_MS": "50", "OUTBOX_NODE_ID": "sigterm-test"}
+    proc = subprocess.Popen([sys.executable, "-m", "cli.main", "relay"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        wait_until(lambda: undelivered(engine) == 0 or proc.poll() is not None,
+                   what="the relay to deliver")
+        assert proc.poll() is None, proc.communicate()
+        assert set(lease_owners(engine).values()) == {"sigterm-test"}
+        proc.send_signal(signal.SIGTERM)
+        _out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err
+    assert b"Traceback" not in err
+    assert set(lease_owners(engine).values()) == {None}
+    assert_each_once(redis_client, key_prefix, ids)

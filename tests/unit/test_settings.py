@@ -1,0 +1,129 @@
+"""Settings: defaults, environment, validation, and the flags generated from them."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import pytest
+from pydantic import ValidationError
+
+from cli import options
+from shared.errors import ConfigError
+from shared.settings import CommonSettings, ConsumerSettings, RelaySettings
+
+MODELS = [CommonSettings, RelaySettings, ConsumerSettings]
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in list(os.environ):
+        if name.startswith("OUTBOX_"):
+            monkeypatch.delenv(name)
+
+
+def test_defaults() -> None:
+    s = ConsumerSettings()
+    assert s.database_url == "sqlite:///./outbox.db"
+    assert s.redis_url == "redis://localhost:6379/0"
+    assert (s.key_prefix, s.partitions, s.group, s.stream_names()) == ("outbox", 4, "workers",
+                                                                      ["runs"])
+    assert RelaySettings().batch_size == 500
+
+
+def test_environment_is_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OUTBOX_PARTITIONS", "8")
+    monkeypatch.setenv("OUTBOX_KEY_PREFIX", "app-1")
+    monkeypatch.setenv("OUTBOX_WAIT_AOF", "true")
+    monkeypatch.setenv("OUTBOX_GROUP", "billing")
+    assert RelaySettings().partitions == 8
+    assert RelaySettings().wait_aof is True
+    assert ConsumerSettings().key_prefix == "app-1"
+    assert ConsumerSettings().group == "billing"
+
+
+def test_arguments_override_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OUTBOX_PARTITIONS", "8")
+    assert CommonSettings(partitions=2).partitions == 2
+
+
+@pytest.mark.parametrize(
+    ("given", "expected"),
+    [
+        ("postgresql://u@h/db", "postgresql+psycopg://u@h/db"),
+        ("postgres://u@h/db", "postgresql+psycopg://u@h/db"),
+        ("postgresql+psycopg://u@h/db", "postgresql+psycopg://u@h/db"),
+        ("sqlite:///x.db", "sqlite:///x.db"),
+    ],
+)
+def test_postgres_urls_use_psycopg3(given: str, expected: str) -> None:
+    assert CommonSettings(database_url=given).database_url == expected
+
+
+@pytest.mark.parametrize("field", ["key_prefix", "group"])
+@pytest.mark.parametrize("bad", ["", "a b", "a:b", "{x}"])
+def test_unsafe_names_are_config_errors(field: str, bad: str) -> None:
+    with pytest.raises(ConfigError):
+        ConsumerSettings(**{field: bad})
+
+
+def test_stream_names_are_split_and_checked() -> None:
+    assert ConsumerSettings(streams=" runs, audit ,,").stream_names() == ["runs", "audit"]
+    with pytest.raises(ConfigError):
+        ConsumerSettings(streams="runs,bad name").stream_names()
+
+
+@pytest.mark.parametrize(
+    ("model", "field", "value"),
+    [
+        (CommonSettings, "partitions", 0),
+        (CommonSettings, "partitions", 1025),
+        (RelaySettings, "batch_size", 0),
+        (RelaySettings, "lease_ttl_ms", 10),
+        (RelaySettings, "redis_timeout_s", 0),
+        (ConsumerSettings, "max_deliveries", 0),
+        (ConsumerSettings, "claim_idle_ms", 1),
+    ],
+)
+def test_out_of_range_values_are_refused(
+    model: type[CommonSettings], field: str, value: object
+) -> None:
+    with pytest.raises(ValidationError):
+        model(**{field: value})
+
+
+def test_settings_are_frozen() -> None:
+    s = CommonSettings()
+    with pytest.raises(ValidationError):
+        s.partitions = 3
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_every_field_documents_itself(model: type[CommonSettings]) -> None:
+    for name, field in model.model_fields.items():
+        assert field.description, f"{model.__name__}.{name} has no description"
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_flags_cover_every_field_and_override_the_environment(
+    model: type[CommonSettings], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    parser = argparse.ArgumentParser()
+    options.add_settings_flags(parser, model)
+    help_text = parser.format_help()
+    for name in model.model_fields:
+        assert "--" + name.replace("_", "-") in help_text
+        assert f"OUTBOX_{name.upper()}" in help_text
+    monkeypatch.setenv("OUTBOX_PARTITIONS", "8")
+    monkeypatch.setenv("OUTBOX_KEY_PREFIX", "from-env")
+    loaded = options.load_settings(model, parser.parse_args(["--partitions", "3"]))
+    assert (loaded.partitions, loaded.key_prefix) == (3, "from-env")
+
+
+def test_invalid_flags_become_one_config_error() -> None:
+    parser = argparse.ArgumentParser()
+    options.add_settings_flags(parser, RelaySettings)
+    with pytest.raises(ConfigError) as info:
+        options.load_settings(RelaySettings, parser.parse_args(["--partitions", "0"]))
+    assert info.value.code == "invalid_config"
+    assert "partitions" in info.value.message

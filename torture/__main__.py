@@ -1,0 +1,54 @@
+"""``python -m torture [--database sqlite|postgresql|both] [--duration S] [--kills N]
+[--quick]``: run the harness, print the table, write the JSON report."""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import sys
+from typing import Any
+
+from torture.harness import parse_args, run_one
+
+COLUMNS = (
+    ("database", "database"), ("fault_seconds", "fault s"), ("settle_seconds", "settle s"),
+    ("total_kills", "kills"), ("events", "events"), ("runs", "runs"), ("lost", "lost"),
+    ("duplicate_entries", "dup entries"), ("duplicate_effects", "dup effects"),
+    ("repaired_entries", "repaired"), ("undelivered", "undelivered"), ("pending", "pending"),
+)
+
+
+def render(reports: list[dict[str, Any]]) -> str:
+    """The report as a plain-text table, then kills per fault point and infra faults."""
+    widths = [max(len(h), *(len(str(r.get(k))) for r in reports)) for k, h in COLUMNS]
+    lines = ["  ".join(h.rjust(w) for (_, h), w in zip(COLUMNS, widths, strict=True))]
+    for r in reports:
+        lines.append("  ".join(str(r.get(k)).rjust(w)
+                               for (k, _), w in zip(COLUMNS, widths, strict=True)))
+    for r in reports:
+        lines.append(f"\n{r['database']}: kills per fault point")
+        lines += [f"  {name:<28} {n:>6}" for name, n in r["kills"].items()]
+        lines += [f"  {name:<28} {n:>6}" for name, n in r["infra_faults"].items()]
+        verdict = "OK" if not r["violations"] else "VIOLATIONS: " + ", ".join(r["violations"])
+        lines.append(f"  verdict: {verdict}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s",
+                        stream=sys.stderr)
+    seed = args.seed if args.seed is not None else random.randrange(2**31)
+    kinds = ["sqlite", "postgresql"] if args.database == "both" else [args.database]
+    reports = [run_one(kind, args, seed) for kind in kinds]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"seed": seed, "quick": args.quick, "runs": reports},
+                                   indent=2) + "\n")
+    print(render(reports))
+    print(f"\nreport written to {args.out}")
+    return 1 if any(r["violations"] for r in reports) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

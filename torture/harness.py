@@ -1,0 +1,234 @@
+"""``python -m torture``: the real daemons under faults, then the verdict.
+
+For each database (SQLite file, PostgreSQL schema of its own): start a Redis of its own
+(``appendonly yes``, ``appendfsync always``), a producer, 2 relays and 2 consumers as separate
+processes; kill them at random and at every fault point, break Redis and the database on a
+schedule; then let everything settle, check (:mod:`torture.check`), print a table and write JSON.
+Exit status 1 on any violation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import shutil
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import Engine, create_engine, func, select, text
+
+from shared import db, keys
+from shared.schema import inbox, outbox, runs
+from torture import app, check
+from torture.chaos import Chaos, Plan, terminate_backends_by_app_name
+from torture.procs import Child, RedisServer, base_env, outbox_argv
+
+log = logging.getLogger("torture")
+
+PG_ADMIN_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+GROUP = "torture"
+STREAMS = ("events", "runs")
+PARTITIONS = 4
+OUT = Path(__file__).with_name("out") / "report.json"
+WORKER_GROUP = "workers"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m torture", description=__doc__.splitlines()[0])
+    p.add_argument("--database", choices=("sqlite", "postgresql", "both"), default="both")
+    p.add_argument("--duration", type=float, default=300.0,
+                   help="least seconds of faults per database (default 300)")
+    p.add_argument("--kills", type=int, default=1000,
+                   help="least process kills per database (default 1000)")
+    p.add_argument("--max-duration", type=float, default=3600.0,
+                   help="hard cap on seconds of faults per database (default 3600)")
+    p.add_argument("--rate", type=float, default=80.0, help="events per second (default 80)")
+    p.add_argument("--quick", action="store_true",
+                   help="short run: every fault point at least once, ~1 minute per database")
+    p.add_argument("--seed", type=int, default=None, help="random seed (default: random)")
+    p.add_argument("--pg-url", default=PG_ADMIN_URL, help="PostgreSQL database to make a schema in")
+    p.add_argument("--out", type=Path, default=OUT, help=f"JSON report path (default {OUT})")
+    p.add_argument("--keep", action="store_true", help="keep the work directory and PG schema")
+    p.add_argument("--run-worker", action="store_true",
+                   help="also run 2 run workers (cli.demo_app) and require every run terminal")
+    return p.parse_args(argv)
+
+
+def make_plan(args: argparse.Namespace) -> Plan:
+    if args.quick:
+        return Plan(duration_s=25, kills=0, max_s=90,
+                    rates={"relay": 0.3, "consumer": 0.3, "producer": 0.03, "worker": 0.3},
+                    random_kill_every_s=2.0, broker_every_s=7.0, db_every_s=6.0)
+    return Plan(duration_s=args.duration, kills=args.kills, max_s=args.max_duration,
+                rates={"relay": 0.15, "consumer": 0.15, "producer": 0.01, "worker": 0.15},
+                random_kill_every_s=1.0, broker_every_s=15.0, db_every_s=8.0)
+
+
+@contextmanager
+def database(kind: str, workdir: Path, pg_url: str, tag: str, keep: bool) -> Iterator[str]:
+    """A fresh database URL: a SQLite file, or a PostgreSQL schema dropped afterwards."""
+    if kind == "sqlite":
+        yield f"sqlite:///{workdir}/torture.db"
+        return
+    schema = f"torture_{tag}"
+    admin = create_engine(pg_url)
+    with admin.begin() as conn:
+        conn.execute(text(f'CREATE SCHEMA "{schema}"'))
+    try:
+        yield f"{pg_url}?options=-csearch_path%3D{schema}&application_name=outbox-{schema}"
+    finally:
+        if not keep:
+            with admin.begin() as conn:
+                conn.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
+        admin.dispose()
+
+
+def children(env: dict[str, str], log_dir: Path, seed: int, workers: bool) -> list[Child]:
+    relay_env = {"OUTBOX_LEASE_TTL_MS": "5000", "OUTBOX_BATCH_SIZE": "50",
+                 "OUTBOX_REDIS_TIMEOUT_S": "1.0", "OUTBOX_POLL_MAX_MS": "200"}
+    consumer_env = {"OUTBOX_GROUP": GROUP, "OUTBOX_STREAMS": ",".join(STREAMS),
+                    "OUTBOX_BLOCK_MS": "200", "OUTBOX_REDIS_TIMEOUT_S": "1.5",
+                    "OUTBOX_CLAIM_IDLE_MS": "3000", "OUTBOX_CLAIM_INTERVAL_MS": "1000",
+                    "OUTBOX_MAX_DELIVERIES": "100", "OUTBOX_BATCH_SIZE": "50"}
+    made = [Child("producer", "producer", [sys.executable, "-m", "torture.load"], env, log_dir,
+                  seed=seed)]
+    for i in range(2):
+        made.append(Child(f"relay-{i}", "relay", outbox_argv("relay"),
+                          {**env, **relay_env, "OUTBOX_NODE_ID": f"relay-{i}"}, log_dir,
+                          seed=seed))
+    for i in range(2):
+        made.append(Child(f"consumer-{i}", "consumer",
+                          outbox_argv("consume", "--app", "torture.app:handlers"),
+                          {**env, **consumer_env, "OUTBOX_CONSUMER": f"c{i}"}, log_dir,
+                          seed=seed))
+    if workers:
+        worker_env = {**consumer_env, "OUTBOX_GROUP": WORKER_GROUP, "OUTBOX_STREAMS": "runs",
+                      "OUTBOX_RUN_LEASE_TTL_MS": "3000", "OUTBOX_RUN_HEARTBEAT_MS": "500",
+                      "OUTBOX_SWEEP_INTERVAL_MS": "1000", "OUTBOX_RUN_MAX_ATTEMPTS": "1000",
+                      "OUTBOX_DEMO_STAGE_MS": "5"}
+        for i in range(2):
+            made.append(Child(f"worker-{i}", "worker",
+                              outbox_argv("consume", "--app", "cli.demo_app:handlers"),
+                              {**env, **worker_env, "OUTBOX_CONSUMER": f"w{i}"}, log_dir,
+                              seed=seed))
+    return made
+
+
+def runs_open(engine: Engine, workers: bool) -> int:
+    """Runs not yet terminal (0 without a run worker: nothing would finish them)."""
+    if not workers:
+        return 0
+    with engine.connect() as conn:
+        return int(conn.execute(
+            select(func.count()).where(runs.c.status.not_in(check.TERMINAL))
+        ).scalar_one())
+
+
+def settled(engine: Engine, server: RedisServer, prefix: str, workers: bool) -> bool:
+    """Nothing undelivered, every event received by the group, nothing pending or unread."""
+    with engine.connect() as conn:
+        undelivered = conn.execute(
+            select(func.count()).where(outbox.c.delivered_at_ms.is_(None))
+        ).scalar_one()
+        events = conn.execute(select(func.count()).select_from(outbox)).scalar_one()
+        receipts = conn.execute(
+            select(func.count()).where(inbox.c.group_name == GROUP)
+        ).scalar_one()
+    if undelivered or receipts < events or runs_open(engine, workers):
+        return False
+    client = server.client()
+    stream_keys = [keys.stream_key(prefix, s, p) for s in STREAMS for p in range(PARTITIONS)]
+    return not any(check.pending_total(client, k) or check.lag_total(client, k)
+                   for k in stream_keys)
+
+
+def run_one(kind: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
+    """One database's torture run; its report."""
+    tag = uuid.uuid4().hex[:10]
+    workdir = Path(tempfile.mkdtemp(prefix=f"outbox-torture-{kind}-"))
+    (workdir / "logs").mkdir()
+    server = RedisServer(workdir / "redis")
+    server.start()
+    kids: list[Child] = []
+    try:
+        with database(kind, workdir, args.pg_url, tag, args.keep) as url:
+            engine = db.make_engine(url)
+            db.upgrade(engine)
+            app.create_tables(engine)
+            prefix = f"torture{tag}"
+            env = {**base_env(), "OUTBOX_DATABASE_URL": url, "OUTBOX_REDIS_URL": server.url,
+                   "OUTBOX_KEY_PREFIX": prefix, "OUTBOX_PARTITIONS": str(PARTITIONS),
+                   "OUTBOX_LOG_LEVEL": "WARNING", "TORTURE_RATE": str(args.rate)}
+            kids = children(env, workdir / "logs", seed, args.run_worker)
+            terminate = None
+            if kind == "postgresql":
+                admin = create_engine(args.pg_url)
+                terminate = terminate_backends_by_app_name(admin, f"outbox-torture_{tag}")
+            chaos = Chaos(make_plan(args), kids, server, seed=seed, terminate_backends=terminate)
+            started = time.monotonic()
+            log.info("%s: faults start (work dir %s)", kind, workdir)
+            tally = chaos.run()
+            fault_s = time.monotonic() - started
+            settle_s = _settle(kids, engine, server, prefix, tally.unexpected_exits,
+                               args.run_worker)
+            verdict = check.verify(engine, server.client(), prefix, [GROUP],
+                                   check_runs=args.run_worker)
+            engine.dispose()
+    finally:
+        for child in kids:
+            child.stop()
+        server.stop()
+    repaired = sum(c.repaired_entries() for c in kids if c.kind == "relay")
+    violations = verdict.violations(runs_must_finish=args.run_worker)
+    missing = [p for p in chaos.points if not tally.kills[p]]
+    violations += [f"never_killed_at:{p}" for p in missing]
+    violations += [f"unexpected_exit:{e}" for e in tally.unexpected_exits]
+    if settle_s is None:
+        violations.append("did_not_settle")
+    report = {
+        "database": kind, "seed": seed, "run_worker": args.run_worker,
+        "fault_seconds": round(fault_s, 1),
+        "settle_seconds": None if settle_s is None else round(settle_s, 1),
+        "kills": dict(sorted(tally.kills.items())), "total_kills": tally.total_kills(),
+        "infra_faults": dict(sorted(tally.faults.items())), "repaired_entries": repaired,
+        **verdict.as_dict(), "violations": violations,
+    }
+    if not args.keep and not violations:
+        shutil.rmtree(workdir, ignore_errors=True)
+    else:
+        report["work_dir"] = str(workdir)
+    return report
+
+
+def _settle(
+    kids: list[Child], engine: Engine, server: RedisServer, prefix: str, unexpected: list[str],
+    workers: bool,
+) -> float | None:
+    """Stop the load, restart every daemon unarmed, wait until the system is quiet."""
+    server.resume()
+    started = time.monotonic()
+    for child in kids:
+        child.stop()
+        if child.kind != "producer":
+            child.start("")
+    deadline = started + 240
+    while time.monotonic() < deadline:
+        for child in kids:
+            if child.kind != "producer" and not child.alive():
+                unexpected.append(f"{child.name}#{child.incarnation}: exit {child.returncode()}")
+                child.start("")
+        if settled(engine, server, prefix, workers):
+            elapsed = time.monotonic() - started
+            for child in kids:
+                code = child.stop()
+                if child.kind != "producer" and code not in (0, -15, None):  # -15: still starting
+                    unexpected.append(f"{child.name}#{child.incarnation}: stop exit {code}")
+            return elapsed
+        time.sleep(0.5)
+    return None
