@@ -96,6 +96,7 @@ def main(args: argparse.Namespace) -> int:
     own_redis: subprocess.Popen[bytes] | None = None
     try:
         redis_url, own_redis = _redis(settings.redis_url)
+        args.redis_started_for_demo = own_redis is not None
         return _run(args, settings, redis_url, children)
     finally:
         children.stop()
@@ -148,10 +149,13 @@ def _run(args: argparse.Namespace, settings: CommonSettings, redis_url: str,
             time.sleep(0.1)
         finished = _finished(engine, stamp)
     progress.show(args.runs, finished, done=True)
+    while not _drained(engine, stamp) and time.monotonic() < deadline and not children.dead():
+        time.sleep(0.1)  # the last events (run.completed) are still on their way: let them land
     summary = _summary(engine, connect_redis(redis_url), settings, stamp, args.runs)
     summary["receipt_replay"] = replay
     summary["seconds"] = round(time.monotonic() - started, 2)
     summary["redis_url"] = redact_url(redis_url)
+    summary["redis_started_for_demo"] = bool(getattr(args, "redis_started_for_demo", False))
     if args.json:
         print(json.dumps(summary, indent=2))
     else:
@@ -217,6 +221,20 @@ def _redis(url: str) -> tuple[str, subprocess.Popen[bytes] | None]:
             time.sleep(0.05)
     proc.kill()
     raise UnavailableError("could not start a redis-server for the demo")
+
+
+def _drained(engine: Engine, stamp: str) -> bool:
+    """Every event of this demo delivered, and every one has its receipt in the group."""
+    like = f"{stamp}-%"
+    with engine.connect() as conn:
+        total, undelivered = conn.execute(
+            select(func.count(), func.count().filter(outbox.c.delivered_at_ms.is_(None)))
+            .where(outbox.c.event_id.like(like))
+        ).one()
+        receipts = conn.execute(
+            select(func.count()).where(inbox.c.group_name == "demo", inbox.c.event_id.like(like))
+        ).scalar_one()
+    return bool(undelivered == 0 and receipts >= total)
 
 
 def _finished(engine: Engine, stamp: str) -> int:
@@ -291,7 +309,10 @@ def _render(s: dict[str, Any], stamp: str, partitions: int, redis_url: str) -> s
         f"dead                {s['dead']:>8}",
         f"took {s['seconds']}s on {s['database_url']}",
         "",
-        f"Inspect what it produced ({partitions} partitions, key prefix {stamp}):",
+        f"Inspect what it produced ({partitions} partitions, key prefix {stamp}):"
+        if not s.get("redis_started_for_demo") else
+        "The demo's own redis-server stopped with it; with a Redis of yours (compose.yaml, or "
+        "the redis-server package) these commands show what a demo produced:",
         f"  {cli} --scan --pattern '{stamp}:*'",
         f"  {cli} XLEN '{key0}'",
         f"  {cli} XRANGE '{key0}' - + COUNT 2",

@@ -158,7 +158,8 @@ def run_one(kind: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
     kids: list[Child] = []
     try:
         with database(kind, workdir, args.pg_url, tag, args.keep) as url:
-            engine = db.make_engine(url)
+            # The harness's own sessions carry another application_name: never terminated.
+            engine = db.make_engine(url.replace("application_name=outbox-", "application_name=h-"))
             db.upgrade(engine)
             app.create_tables(engine)
             prefix = f"torture{tag}"
