@@ -44,11 +44,13 @@ bench: install
 bench-quick: install
 	$(BIN)/python -m bench --quick
 
+# Crash-safety proof: >= 1000 kills per database plus broker and database faults;
+# the report is printed and written to torture/out/report.json.
 torture: install
-	$(BIN)/python -m torture
+	$(BIN)/python -m torture --database both --kills 1000 --duration 120
 
 torture-short: install
-	$(BIN)/python -m torture --quick
+	$(BIN)/python -m torture --quick --database both
 
 clean:
 	rm -rf $(VENV) .outbox-demo .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -16,12 +16,13 @@ from collections.abc import Callable, Sequence
 from cli import apps, options
 from cli import status as status_report
 from consumer.daemon import Consumer
+from consumer.worker import WorkerSettings
 from relay.daemon import Relay
 from shared import db
 from shared.errors import ConfigError, OutboxError
 from shared.redaction import configure_logging, redact_url
 from shared.redis_conn import connect_redis
-from shared.settings import CommonSettings, ConsumerSettings, RelaySettings
+from shared.settings import CommonSettings, RelaySettings
 
 log = logging.getLogger("outbox")
 
@@ -57,7 +58,7 @@ def cmd_relay(args: argparse.Namespace) -> int:
 
 def cmd_consume(args: argparse.Namespace) -> int:
     """Run the consumer daemon until SIGTERM/SIGINT."""
-    settings = options.load_settings(ConsumerSettings, args)
+    settings = options.load_settings(WorkerSettings, args)
     configure_logging(settings.log_level)
     if settings.redis_timeout_s * 1000 <= settings.block_ms:
         raise ConfigError("redis_timeout_s must be longer than block_ms")
@@ -107,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="exit once a round finds nothing to deliver (for scripts and tests)")
 
     consume = _leaf(sub, "consume", "read streams with a consumer group and claim events",
-                    ConsumerSettings, cmd_consume)
+                    WorkerSettings, cmd_consume)
     consume.add_argument("--app", default=apps.DEFAULT_APP,
                          help=f"handlers to run, as module:attribute (default {apps.DEFAULT_APP})")
 
@@ -119,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_arguments(_leaf(sub, "demo", "run the end-to-end demo", CommonSettings, cmd_demo))
 
     from cli import serve, sweep
-    from producer.http import ServeSettings
+    from producer.serve_settings import ServeSettings
     from shared.runstate import RunSettings
 
     serve.add_arguments(_leaf(sub, "serve", "serve the runs HTTP API", ServeSettings, serve.main))

@@ -14,11 +14,9 @@ import logging
 import signal
 from types import FrameType
 
-import uvicorn
-
 from consumer.sweeper import sweep
-from producer.http import ServeSettings, create_app
 from producer.runs import store_for
+from producer.serve_settings import ServeSettings
 from shared import db
 from shared.redaction import configure_logging, redact_url
 
@@ -31,7 +29,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """Serve until SIGTERM/SIGINT."""
+    import uvicorn  # here, not at import time: every other command would pay for it
+
     from cli import options
+    from producer.http import create_app
 
     settings = options.load_settings(ServeSettings, args)
     configure_logging(settings.log_level)

@@ -14,7 +14,18 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from sqlalchemy import BigInteger, Connection, Engine, bindparam, cast, func, select, tuple_, update
+from sqlalchemy import (
+    BigInteger,
+    Connection,
+    Engine,
+    bindparam,
+    cast,
+    exc,
+    func,
+    select,
+    tuple_,
+    update,
+)
 from sqlalchemy.dialects import postgresql, sqlite
 
 from consumer.handlers import Handler, Handlers
@@ -166,12 +177,16 @@ def _decide(
         try:
             handler(conn, event)
         except Exception as err:
+            if _connection_lost(err):
+                raise
             raise _BatchableFailed from err
     else:
         try:
             with conn.begin_nested():
                 handler(conn, event)
         except Exception as err:  # the handler's own failure: only its savepoint rolls back
+            if _connection_lost(err):
+                raise  # not the handler's fault: the whole claim fails and is retried
             log.warning("handler for %s failed on %s: %s", event.type, event.id, type(err).__name__)
             log.debug("handler error", exc_info=True)
             return Outcome(d, FAILED, type(err).__name__)
@@ -179,6 +194,16 @@ def _decide(
     if head is not None and event.revision is not None:
         heads[head] = event.revision
     return Outcome(d, APPLIED)
+
+
+def _connection_lost(err: Exception) -> bool:
+    """A database failure under the handler (connection killed, server gone), as opposed to the
+    handler's own error: the transaction cannot go on, so no other entry may be decided in it."""
+    if isinstance(err, exc.DBAPIError):
+        return bool(err.connection_invalidated) or isinstance(
+            err, exc.OperationalError | exc.InterfaceError
+        )
+    return isinstance(err, exc.PendingRollbackError | exc.ResourceClosedError)
 
 
 def _write(conn: Connection, group: str, outcomes: list[Outcome], heads: dict[Any, int]) -> None:

@@ -46,16 +46,6 @@ log = logging.getLogger(__name__)
 RUN_ID = r"^[A-Za-z0-9_.:\-]{1,128}$"
 
 
-class ServeSettings(rs.RunSettings):
-    """The HTTP service (``outbox serve``)."""
-
-    host: str = Field(default="127.0.0.1", description="Address to listen on.")
-    port: int = Field(default=8080, ge=0, le=65535, description="TCP port to listen on.")
-    max_body_bytes: int = Field(
-        default=65_536, ge=256, description="Largest accepted request body; larger is 413."
-    )
-
-
 class CreateRun(BaseModel):
     """Body of ``POST /runs``."""
 

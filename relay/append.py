@@ -13,9 +13,11 @@ import json
 import logging
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from typing import Any
 
 import redis
 
+from relay import entry_ids
 from relay.store import OutboxRow
 from shared import keys
 from shared.envelope import JSON_CONTENT_TYPE, SPECVERSION
@@ -34,6 +36,7 @@ class Verdicts:
     already: int = 0
     gaps: list[int] = field(default_factory=list)
     failed: list[tuple[int, str]] = field(default_factory=list)
+    stream_top: str | None = None  # highest last-generated id seen behind a gap
 
 
 def to_fields(row: OutboxRow) -> dict[str, str]:
@@ -106,12 +109,22 @@ def _classify(
         else:
             log.warning("ordering gap: event %s republished at the stream top", row.event_id)
             verdicts.gaps.append(row.seq)
+            top = last_generated_id(client, keys.stream_key(prefix, row.stream, row.partition))
+            if top and (verdicts.stream_top is None or entry_ids.greater(top, verdicts.stream_top)):
+                verdicts.stream_top = top
         return
     if isinstance(answer, redis.ConnectionError | redis.TimeoutError):
         raise answer
     code = _error_code(answer)
     log.warning("append of event %s failed: %s", row.event_id, code)
     verdicts.failed.append((row.seq, code))
+
+
+def last_generated_id(client: redis.Redis, key: str) -> str | None:
+    """The id Redis compares explicit ids against (it survives ``XDEL`` of the top entry)."""
+    info: Any = client.xinfo_stream(key)
+    value = info.get("last-generated-id") or info.get(b"last-generated-id")
+    return value.decode() if isinstance(value, bytes) else value
 
 
 def already_there(client: redis.Redis, prefix: str, row: OutboxRow) -> bool:

@@ -203,6 +203,7 @@ class Relay:
         store.settle(
             self.engine, partition, self.node_id, epoch, s.lease_ttl_ms, now_ms(),
             delivered=verdicts.delivered, gaps=verdicts.gaps, failed=verdicts.failed,
+            stream_top=verdicts.stream_top,
         )
         faults.point("relay.after_mark")
         self.stats.delivered += len(verdicts.delivered)

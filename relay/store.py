@@ -27,7 +27,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects import postgresql, sqlite
 
 from relay import entry_ids
-from shared.db import is_postgres, translate_errors
+from shared.db import is_postgres, now_ms, translate_errors
 from shared.errors import LeaseLostError
 from shared.schema import outbox, relay_leases, relay_nodes
 
@@ -69,6 +69,7 @@ def acquire_leases(
     partitions; a node below it takes free or expired ones, bumping their epoch (the fence).
     """
     with translate_errors(), engine.begin() as conn:
+        now = max(now, now_ms())  # the lock may have been waited for (SQLite)
         ins = _upsert(conn)
         conn.execute(
             ins(relay_nodes)
@@ -179,6 +180,7 @@ def claim(
     one (still undelivered) is being appended.
     """
     with translate_errors(), engine.begin() as conn:
+        now = max(now, now_ms())  # the lock may have been waited for (SQLite)
         _check_lease(conn, partition, node_id, epoch, now, ttl_ms)
         last = conn.execute(
             select(relay_leases.c.last_entry_id).where(relay_leases.c.partition == partition)
@@ -265,15 +267,20 @@ def settle(
     delivered: list[tuple[int, str]],
     gaps: list[int],
     failed: list[tuple[int, str]],
+    stream_top: str | None = None,
 ) -> None:
     """Record what Redis said, in one transaction, only while our epoch is current.
 
     ``delivered``: ``(seq, entry_id)`` Redis holds. ``gaps``: rows whose id fell behind the
-    stream's top without being there: they get a fresh id at the next claim. ``failed``:
-    ``(seq, error code)`` to retry later.
+    stream's top without being there: they get a fresh id at the next claim, above
+    ``stream_top`` (the stream's last generated id), so the retry cannot fall behind again.
+    ``failed``: ``(seq, error code)`` to retry later.
     """
     with translate_errors(), engine.begin() as conn:
+        now = max(now, now_ms())  # the lock may have been waited for (SQLite)
         _check_lease(conn, partition, node_id, epoch, now, ttl_ms)
+        if stream_top is not None:
+            _raise_last_entry_id(conn, partition, epoch, stream_top)
         if delivered:
             done = {"delivered_at_ms": now, "attempts": outbox.c.attempts + 1, "last_error": None}
             _set_entry_ids(conn, delivered, done, undelivered_only=True)
@@ -290,6 +297,18 @@ def settle(
                 .values(attempts=outbox.c.attempts + 1, last_error=bindparam("b_error")),
                 [{"b_seq": s, "b_error": c} for s, c in failed],
             )
+
+
+def _raise_last_entry_id(conn: Connection, partition: int, epoch: int, top: str) -> None:
+    last = conn.execute(
+        select(relay_leases.c.last_entry_id).where(relay_leases.c.partition == partition)
+    ).scalar_one()
+    if entry_ids.greater(top, last):
+        conn.execute(
+            update(relay_leases)
+            .where(relay_leases.c.partition == partition, relay_leases.c.epoch == epoch)
+            .values(last_entry_id=top)
+        )
 
 
 def record_unknown(engine: Engine, seqs: list[int], code: str) -> None:

@@ -175,6 +175,13 @@ def translate_errors(what: str = "database") -> Iterator[None]:
         raise
     except exc.IntegrityError:
         raise
-    except (exc.OperationalError, exc.InterfaceError, exc.DBAPIError, exc.TimeoutError) as err:
+    except (
+        exc.OperationalError,
+        exc.InterfaceError,
+        exc.DBAPIError,
+        exc.TimeoutError,
+        exc.PendingRollbackError,
+        exc.ResourceClosedError,
+    ) as err:
         log.debug("%s error: %s", what, redact_url(str(err)))
         raise UnavailableError(f"the {what} is unavailable or timed out") from err

@@ -38,6 +38,7 @@ class Plan:
     broker_every_s: float
     db_every_s: float
     stall_s: tuple[float, float] = (1.0, 3.0)
+    unarmed_share: float = 0.25
 
 
 @dataclass
@@ -75,9 +76,10 @@ class Chaos:
         self.points = [p for k in sorted(kinds) for p in POINTS_BY_KIND.get(k, ())]
 
     def arm(self, child: Child) -> str:
-        """The next point of this kind, round robin (one incarnation in four runs unarmed)."""
+        """The next point of this kind, round robin (``unarmed_share`` of incarnations run
+        unarmed, dying only by a harness kill)."""
         points = POINTS_BY_KIND.get(child.kind, ())
-        if not points or self.rng.random() < 0.25:
+        if not points or self.rng.random() < self.plan.unarmed_share:
             return ""
         i = self._next_point[child.kind]
         self._next_point[child.kind] += 1

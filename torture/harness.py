@@ -62,9 +62,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def make_plan(args: argparse.Namespace) -> Plan:
     if args.quick:
-        return Plan(duration_s=25, kills=0, max_s=90,
-                    rates={"relay": 0.3, "consumer": 0.3, "producer": 0.03, "worker": 0.3},
-                    random_kill_every_s=2.0, broker_every_s=7.0, db_every_s=6.0)
+        return Plan(duration_s=25, kills=0, max_s=100,
+                    rates={"relay": 0.5, "consumer": 0.4, "producer": 0.03, "worker": 0.3},
+                    random_kill_every_s=2.5, broker_every_s=7.0, db_every_s=6.0,
+                    unarmed_share=0.0)
     return Plan(duration_s=args.duration, kills=args.kills, max_s=args.max_duration,
                 rates={"relay": 0.15, "consumer": 0.15, "producer": 0.01, "worker": 0.15},
                 random_kill_every_s=1.0, broker_every_s=15.0, db_every_s=8.0)

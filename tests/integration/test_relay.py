@@ -352,6 +352,28 @@ def test_ordering_gap_is_republished_at_the_top_once(
     assert republished.entry_id != middle.entry_id and republished.last_error is None
 
 
+def test_gap_behind_a_foreign_top_far_ahead_is_republished_once_above_it(
+    engine: Engine, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    ids = enqueue_events(engine, 2, aggregates=1)
+    partition = partition_of("agg-0")
+    key = keys.stream_key(key_prefix, STREAM, partition)
+    # Someone (a clock far ahead, another writer) left the stream's last id in the future;
+    # deleting that entry does not lower the id Redis compares explicit ids against.
+    future = f"{now_ms() + 3_600_000}-0"
+    redis_client.xadd(key, {"foreign": "1"}, id=future)
+    redis_client.xdel(key, future)
+
+    stats = Relay(relay_settings(key_prefix, node_id="a"), engine, redis_client).run(
+        until_idle=True
+    )
+    assert stats.ordering_gaps == 2 and stats.delivered == 2  # one gap each, no hot loop
+    assert_each_once(redis_client, key_prefix, ids)
+    assert_all_marked(engine, redis_client, key_prefix)
+    for row in outbox_rows(engine):
+        assert append.entry_ids.greater(row.entry_id, future)
+
+
 def test_sigterm_stops_the_relay_command_cleanly(
     engine: Engine, database_url: str, redis_client: redis.Redis, key_prefix: str
 ) -> None:
