@@ -322,10 +322,12 @@ def _render(s: dict[str, Any], stamp: str, partitions: int, redis_url: str) -> s
 
 
 class Progress:
-    """A one-line progress bar on stderr."""
+    """A one-line progress bar on a terminal; a line per quarter when stderr is a file."""
 
     def __init__(self, total: int, *, quiet: bool) -> None:
         self.total, self.quiet = total, quiet
+        self.tty = sys.stderr.isatty()
+        self.last_quarter = -1
 
     def show(self, created: int, consumed: int, *, done: bool = False) -> None:
         if self.quiet:
@@ -333,6 +335,13 @@ class Progress:
         width = 30
         filled = int(width * consumed / self.total)
         bar = "#" * filled + "." * (width - filled)
-        end = "\n" if done else ""
-        sys.stderr.write(f"\r[{bar}] created {created}/{self.total}  finished {consumed}{end}")
+        line = f"[{bar}] created {created}/{self.total}  finished {consumed}"
+        if self.tty:
+            sys.stderr.write(f"\r{line}" + ("\n" if done else ""))
+        else:
+            quarter = 4 * consumed // self.total
+            if quarter == self.last_quarter and not done:
+                return
+            self.last_quarter = quarter
+            sys.stderr.write(line + "\n")
         sys.stderr.flush()

@@ -1,8 +1,10 @@
 """Handlers: plain typed functions registered per event type.
 
 A handler receives the claim transaction's connection and the parsed event. Whatever it writes
-through that connection commits together with the inbox receipt, inside a savepoint of its own:
-if it raises, only its savepoint rolls back, the entry stays pending and is retried.
+through that connection commits together with the inbox receipt; if it raises, only its writes
+roll back, the entry stays pending and is retried (the batch's handlers share one savepoint; when
+one raises, the batch is redone with a savepoint per handler, so a handler may run twice in one
+claim: see :func:`consumer.inbox.claim`).
 
 Work that must not run inside the transaction (a long run stage, a network call) is scheduled
 with :meth:`Handlers.after_commit`: the daemon runs it only after the claim transaction

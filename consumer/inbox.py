@@ -75,22 +75,21 @@ H = TypeVar("H", bound=Handler)
 
 
 def batchable(handler: H) -> H:
-    """Opt a handler (a function or callable object) in to running without its own savepoint.
+    """Kept for compatibility: every handler now runs on the optimistic path (see :func:`claim`).
 
-    When *every* handler of a batch opted in, they run directly in the claim transaction: two
-    round trips per event fewer on PostgreSQL. If one of them raises, the whole transaction is
-    rolled back, callbacks scheduled with ``Handlers.after_commit`` are dropped, and the batch
-    is claimed again with a savepoint per handler, exactly as without the opt-in. So the
-    guarantees do not change; what the handler accepts is to run a second time, in the same
-    claim, when another handler of its batch fails: it must not have effects outside ``conn``
-    that a repeat would harm (it must be safe to retry anyway: delivery is at least once).
+    It used to opt a handler in to running without its own savepoint; that is now the default
+    for all handlers, so the mark changes nothing.
     """
     setattr(handler, BATCHABLE, True)
     return handler
 
 
-class _BatchableFailed(Exception):
-    """A handler running without a savepoint raised: retry the batch with savepoints."""
+class _HandlerFailed(Exception):
+    """A handler on the optimistic path raised: redo the batch with a savepoint per handler."""
+
+    def __init__(self, delivery: Delivery, error: str) -> None:
+        super().__init__(error)
+        self.delivery, self.error = delivery, error
 
 
 def claim(engine: Engine, group: str, batch: list[Delivery], handlers: Handlers) -> list[Outcome]:
@@ -98,25 +97,21 @@ def claim(engine: Engine, group: str, batch: list[Delivery], handlers: Handlers)
 
     Guarantees, in one transaction: an event id already in the group's inbox is a
     ``duplicate`` (its counter goes up, nothing else happens); an event whose revision is not
-    newer than the aggregate's last applied one is ``stale``; otherwise the handler runs in a
-    savepoint and the receipt and the handler's writes commit together (``applied``), or the
-    savepoint rolls back and the entry is ``failed`` (no receipt: it will be retried).
-    Handlers marked :func:`batchable` may skip their savepoints, with the same outcome.
+    newer than the aggregate's last applied one is ``stale``; otherwise the handler runs and the
+    receipt and the handler's writes commit together (``applied``), or its writes roll back and
+    the entry is ``failed`` (no receipt: it will be retried).
+
+    Optimistic path: the batch's handlers run inside ONE savepoint (a savepoint per handler
+    cost two round trips per event, most of a claim's time). If a handler raises, that
+    savepoint rolls back, callbacks scheduled with ``Handlers.after_commit`` are dropped, and
+    the batch is decided again with a savepoint per handler; the entry whose handler raised is
+    ``failed`` without running again. So the outcomes are those of the per-handler path.
+    Consequence for handler authors: a handler that ran *before* a failing neighbour in its
+    batch runs twice in that claim; only the second run's writes commit. Effects outside
+    ``conn`` belong in ``after_commit`` (delivery is at least once anyway).
     """
     if not batch:
         return []
-    handled = [h for d in batch if (h := handlers.get(d.event.type)) is not None]
-    if handled and all(getattr(h, BATCHABLE, False) for h in handled):
-        try:
-            return _claim(engine, group, batch, handlers, savepoints=False)
-        except _BatchableFailed:
-            handlers.take_after_commit(set())  # rolled back: every handler runs again
-    return _claim(engine, group, batch, handlers, savepoints=True)
-
-
-def _claim(
-    engine: Engine, group: str, batch: list[Delivery], handlers: Handlers, *, savepoints: bool
-) -> list[Outcome]:
     with translate_errors(), engine.begin() as conn:
         if is_postgres(conn):
             lock_keys = sorted({_lock_key(group, d) for d in batch})
@@ -124,9 +119,43 @@ def _claim(
             conn.execute(select(func.pg_advisory_xact_lock(func.unnest(array))))
         seen = _existing(conn, group, [d.event.id for d in batch])
         heads = _heads(conn, group, {k for d in batch if (k := _head_key(d.event))})
-        outcomes = [_decide(conn, d, seen, heads, handlers, savepoints) for d in batch]
-        _write(conn, group, outcomes, heads)
+        outcomes = _decide_batch(conn, batch, seen, heads, handlers)
+        _write(conn, group, outcomes)
         return outcomes
+
+
+def _decide_batch(
+    conn: Connection,
+    batch: list[Delivery],
+    seen: set[str],
+    heads: dict[Any, int],
+    handlers: Handlers,
+) -> list[Outcome]:
+    """Decide every delivery: optimistically under one savepoint, else one per handler."""
+    if len(batch) > 1:
+        try:
+            with conn.begin_nested():
+                return _decide_all(conn, batch, set(seen), dict(heads), handlers, False)
+        except _HandlerFailed as failure:
+            handlers.take_after_commit(set())  # rolled back: every handler runs again
+            _log_failure(failure.delivery.event, failure.error)
+            return [
+                Outcome(d, FAILED, failure.error) if d is failure.delivery
+                else _decide(conn, d, seen, heads, handlers, True)
+                for d in batch
+            ]
+    return _decide_all(conn, batch, seen, heads, handlers, True)
+
+
+def _decide_all(
+    conn: Connection,
+    batch: list[Delivery],
+    seen: set[str],
+    heads: dict[Any, int],
+    handlers: Handlers,
+    savepoints: bool,
+) -> list[Outcome]:
+    return [_decide(conn, d, seen, heads, handlers, savepoints) for d in batch]
 
 
 def _existing(conn: Connection, group: str, event_ids: list[str]) -> set[str]:
@@ -179,7 +208,7 @@ def _decide(
         except Exception as err:
             if _connection_lost(err):
                 raise
-            raise _BatchableFailed from err
+            raise _HandlerFailed(d, type(err).__name__) from err
     else:
         try:
             with conn.begin_nested():
@@ -187,13 +216,17 @@ def _decide(
         except Exception as err:  # the handler's own failure: only its savepoint rolls back
             if _connection_lost(err):
                 raise  # not the handler's fault: the whole claim fails and is retried
-            log.warning("handler for %s failed on %s: %s", event.type, event.id, type(err).__name__)
-            log.debug("handler error", exc_info=True)
+            _log_failure(event, type(err).__name__)
             return Outcome(d, FAILED, type(err).__name__)
     seen.add(event.id)
     if head is not None and event.revision is not None:
         heads[head] = event.revision
     return Outcome(d, APPLIED)
+
+
+def _log_failure(event: Event, error: str) -> None:
+    log.warning("handler for %s failed on %s: %s", event.type, event.id, error)
+    log.debug("handler error", exc_info=True)
 
 
 def _connection_lost(err: Exception) -> bool:
@@ -206,7 +239,7 @@ def _connection_lost(err: Exception) -> bool:
     return isinstance(err, exc.PendingRollbackError | exc.ResourceClosedError)
 
 
-def _write(conn: Connection, group: str, outcomes: list[Outcome], heads: dict[Any, int]) -> None:
+def _write(conn: Connection, group: str, outcomes: list[Outcome]) -> None:
     now = now_ms()
     receipts = [
         {

@@ -166,7 +166,8 @@ class RunWorker:
         row: RunRow | None = lease.row
         while row is not None and row.status in rs.STAGES and not self._stop.is_set():
             row = self._run_stage(row, lease.token)
-            faults.point("worker.after_checkpoint")
+            if row is not None:  # a checkpoint was saved (None: nothing was written)
+                faults.point("worker.after_checkpoint")
         with self._lock:
             self._lost.discard(lease.token)
             if row is None or row.status not in rs.STAGES:  # else stopping: close() releases

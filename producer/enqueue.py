@@ -8,13 +8,14 @@ on PostgreSQL the same statement calls ``pg_notify`` (delivered only on commit) 
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Connection, Executable, func, select
+from sqlalchemy import Connection, Executable, String, bindparam, func, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 from sqlalchemy.orm import Session
@@ -57,8 +58,9 @@ class Producer:
         if the id exists, :class:`InvalidEventError` for a malformed event.
         """
         connection = conn.connection() if isinstance(conn, Session) else conn
-        event_id, stmt = self.build(postgres=connection.dialect.name == "postgresql", **event)
-        if connection.execute(stmt).first() is None:
+        postgres = connection.dialect.name == "postgresql"
+        event_id, params = self.build(postgres=postgres, **event)
+        if connection.execute(_insert_statement(postgres), params).first() is None:
             raise DuplicateEventError(f"event {event_id!r} was already enqueued")
         faults.point("producer.before_commit")
         return event_id
@@ -66,8 +68,9 @@ class Producer:
     async def enqueue_async(self, conn: AsyncConnection | AsyncSession, **event: Any) -> str:
         """The same as :meth:`enqueue` for an ``AsyncConnection`` or ``AsyncSession``."""
         connection = await conn.connection() if isinstance(conn, AsyncSession) else conn
-        event_id, stmt = self.build(postgres=connection.dialect.name == "postgresql", **event)
-        if (await connection.execute(stmt)).first() is None:
+        postgres = connection.dialect.name == "postgresql"
+        event_id, params = self.build(postgres=postgres, **event)
+        if (await connection.execute(_insert_statement(postgres), params)).first() is None:
             raise DuplicateEventError(f"event {event_id!r} was already enqueued")
         return event_id
 
@@ -84,11 +87,12 @@ class Producer:
         event_id: str | None = None,
         traceparent: str | None = None,
         delay_ms: int = 0,
-    ) -> tuple[str, Executable]:
-        """Validate an event and return its id and the insert statement.
+    ) -> tuple[str, dict[str, Any]]:
+        """Validate an event and return its id and the parameters of the insert statement.
 
         The id is ``event_id`` if given, else deterministic when aggregate id and revision are
-        given, else a random UUID (then only the caller can deduplicate).
+        given, else a random UUID (then only the caller can deduplicate). The statement itself
+        is built once per dialect (:func:`_insert_statement`): only the parameters change.
         """
         row = self._row(
             type=type,
@@ -102,22 +106,9 @@ class Producer:
             delay_ms=delay_ms,
         )
         if postgres:
-            ins = postgresql.insert(outbox).values(row).on_conflict_do_nothing(
-                index_elements=["event_id"]
-            )
-            cte = ins.returning(outbox.c.seq).cte("ins")
-            channel = keys.notify_channel(self.key_prefix)
-            stmt: Executable = select(
-                cte.c.seq, func.pg_notify(channel, str(row["partition"]))
-            ).select_from(cte)
-        else:
-            stmt = (
-                sqlite.insert(outbox)
-                .values(row)
-                .on_conflict_do_nothing(index_elements=["event_id"])
-                .returning(outbox.c.seq)
-            )
-        return row["event_id"], stmt
+            row["notify_channel"] = keys.notify_channel(self.key_prefix)
+            row["notify_payload"] = str(row["partition"])
+        return row["event_id"], row
 
     def _row(
         self,
@@ -171,6 +162,36 @@ class Producer:
                 f"data is larger than {self.max_data_bytes} bytes", code="data_too_large"
             )
         return payload
+
+
+_COLUMNS = (
+    "event_id", "stream", "partition", "aggregate_type", "aggregate_id", "revision", "type",
+    "source", "payload", "headers", "created_at_ms", "available_at_ms",
+)
+
+
+@functools.cache
+def _insert_statement(postgres: bool) -> Executable:
+    """``INSERT … ON CONFLICT (event_id) DO NOTHING RETURNING seq`` with bind parameters, built
+    once per dialect so that an enqueue pays neither construction nor a compile-cache lookup of
+    a fresh construct. On PostgreSQL the insert is a CTE selected together with ``pg_notify``
+    (queued in the transaction, delivered only on commit), still one round trip."""
+    values = {name: bindparam(name, type_=outbox.c[name].type) for name in _COLUMNS}
+    if not postgres:
+        return (
+            sqlite.insert(outbox)
+            .values(values)
+            .on_conflict_do_nothing(index_elements=["event_id"])
+            .returning(outbox.c.seq)
+        )
+    ins = postgresql.insert(outbox).values(values).on_conflict_do_nothing(
+        index_elements=["event_id"]
+    )
+    cte = ins.returning(outbox.c.seq).cte("ins")
+    notify = func.pg_notify(
+        bindparam("notify_channel", type_=String()), bindparam("notify_payload", type_=String())
+    )
+    return select(cte.c.seq, notify).select_from(cte)
 
 
 def _check_event(

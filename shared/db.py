@@ -125,8 +125,8 @@ def database_revision(conn: Connection) -> str | None:
     return context.get_current_revision()
 
 
-def check_schema(engine: Engine) -> None:
-    """Refuse a database that is newer than the code, or not yet migrated to it."""
+def _current_not_too_new(engine: Engine) -> str | None:
+    """The database's migration, refusing one this code does not know (a newer release's)."""
     with translate_errors(), engine.connect() as conn:
         current = database_revision(conn)
     known = {s.revision for s in ScriptDirectory(str(MIGRATIONS)).walk_revisions()}
@@ -135,6 +135,12 @@ def check_schema(engine: Engine) -> None:
             f"the database is at schema {current}, newer than this release "
             f"(which knows up to {code_head()}); upgrade outbox-relay"
         )
+    return current
+
+
+def check_schema(engine: Engine) -> None:
+    """Refuse a database that is newer than the code, or not yet migrated to it."""
+    current = _current_not_too_new(engine)
     if current != code_head():
         raise SchemaNotReadyError(
             f"the database is at schema {current or 'none'}, this release needs "
@@ -144,13 +150,7 @@ def check_schema(engine: Engine) -> None:
 
 def upgrade(engine: Engine) -> str:
     """Apply every pending migration; refuse a database newer than the code."""
-    with translate_errors(), engine.connect() as conn:
-        current = database_revision(conn)
-    known = {s.revision for s in ScriptDirectory(str(MIGRATIONS)).walk_revisions()}
-    if current is not None and current not in known:
-        raise SchemaTooNewError(
-            f"the database is at schema {current}, newer than this release; refusing to migrate"
-        )
+    _current_not_too_new(engine)
     with translate_errors(), engine.begin() as conn:
         command.upgrade(_alembic_config(conn), "head")
     return code_head()

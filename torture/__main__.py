@@ -13,7 +13,8 @@ from torture.harness import parse_args, run_one
 
 COLUMNS = (
     ("database", "database"), ("fault_seconds", "fault s"), ("settle_seconds", "settle s"),
-    ("total_kills", "kills"), ("events", "events"), ("runs", "runs"), ("lost", "lost"),
+    ("total_kills", "kills"), ("events", "events"), ("runs", "runs"),
+    ("runs_not_terminal", "open runs"), ("lost", "lost"),
     ("duplicate_entries", "dup entries"), ("duplicate_effects", "dup effects"),
     ("repaired_entries", "repaired"), ("undelivered", "undelivered"), ("pending", "pending"),
 )

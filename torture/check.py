@@ -2,7 +2,9 @@
 
 Every committed outbox row is an event that must be, exactly once, in its stream; every group
 must hold exactly one ``applied`` receipt and exactly one side-effect row per event; nothing may
-be left undelivered or pending; with a run worker, every run must be terminal.
+be left undelivered or pending. With run workers, every run must be terminal and the workers'
+group must hold exactly one receipt (``applied``, or ``stale`` for an event older than the run)
+per event of the runs stream.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from shared.schema import inbox, outbox, runs
 from torture import app
 
 TERMINAL = ("completed", "failed")
+WORKER_OUTCOMES = ("applied", "stale")
 
 
 @dataclass
@@ -37,12 +40,14 @@ class Verdict:
     missing_effects: int = 0
     pending: int = 0
     dead_letters: int = 0
+    worker_receipts_missing: int = 0
+    worker_receipts_bad: int = 0
 
     def violations(self, *, runs_must_finish: bool) -> list[str]:
         names = ["undelivered", "lost", "duplicate_entries", "missing_receipts", "not_applied",
                  "duplicate_effects", "missing_effects", "pending", "dead_letters"]
         if runs_must_finish:
-            names.append("runs_not_terminal")
+            names += ["runs_not_terminal", "worker_receipts_missing", "worker_receipts_bad"]
         return [n for n in names if getattr(self, n)]
 
     def as_dict(self) -> dict[str, Any]:
@@ -82,9 +87,11 @@ def lag_total(client: redis.Redis, key: str) -> int:
 
 
 def verify(
-    engine: Engine, client: redis.Redis, prefix: str, groups: list[str], *, check_runs: bool
+    engine: Engine, client: redis.Redis, prefix: str, groups: list[str], *, check_runs: bool,
+    worker_group: str | None = None, runs_stream: str = "runs",
 ) -> Verdict:
-    """Compare the outbox with the streams, the inboxes and the side effects."""
+    """Compare the outbox with the streams, the inboxes and the side effects (and, with
+    ``worker_group``, that group's receipts for every event of ``runs_stream``)."""
     v = Verdict()
     with engine.connect() as conn:
         rows = conn.execute(
@@ -116,6 +123,12 @@ def verify(
         v.lost += count == 0
         v.duplicate_entries += max(count - 1, 0)
     _receipts_and_effects(v, [r.event_id for r in rows], groups, receipts, effect_counts)
+    if worker_group is not None:
+        outcome = {e: o for g, e, o in receipts if g == worker_group}
+        run_events = [r.event_id for r in rows if r.stream == runs_stream]
+        v.worker_receipts_missing = sum(1 for e in run_events if e not in outcome)
+        v.worker_receipts_bad = sum(
+            1 for e in run_events if e in outcome and outcome[e] not in WORKER_OUTCOMES)
     return v
 
 

@@ -37,6 +37,7 @@ STREAMS = ("events", "runs")
 PARTITIONS = 4
 OUT = Path(__file__).with_name("out") / "report.json"
 WORKER_GROUP = "workers"
+RUNS_STREAM = "runs"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -63,7 +64,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def make_plan(args: argparse.Namespace) -> Plan:
     if args.quick:
         return Plan(duration_s=25, kills=0, max_s=100,
-                    rates={"relay": 0.5, "consumer": 0.4, "producer": 0.03, "worker": 0.3},
+                    rates={"relay": 0.5, "consumer": 0.4, "producer": 0.01, "worker": 0.3},
                     random_kill_every_s=2.5, broker_every_s=7.0, db_every_s=6.0,
                     unarmed_share=0.0)
     return Plan(duration_s=args.duration, kills=args.kills, max_s=args.max_duration,
@@ -122,13 +123,21 @@ def children(env: dict[str, str], log_dir: Path, seed: int, workers: bool) -> li
 
 
 def runs_open(engine: Engine, workers: bool) -> int:
-    """Runs not yet terminal (0 without a run worker: nothing would finish them)."""
+    """Runs not yet terminal, plus run events the workers' group has no receipt for (0
+    without run workers: nothing would finish them)."""
     if not workers:
         return 0
     with engine.connect() as conn:
-        return int(conn.execute(
+        active = conn.execute(
             select(func.count()).where(runs.c.status.not_in(check.TERMINAL))
-        ).scalar_one())
+        ).scalar_one()
+        run_events = conn.execute(
+            select(func.count()).where(outbox.c.stream == RUNS_STREAM)
+        ).scalar_one()
+        receipts = conn.execute(
+            select(func.count()).where(inbox.c.group_name == WORKER_GROUP)
+        ).scalar_one()
+    return int(active) + max(int(run_events) - int(receipts), 0)
 
 
 def settled(engine: Engine, server: RedisServer, prefix: str, workers: bool) -> bool:
@@ -180,7 +189,8 @@ def run_one(kind: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
             settle_s = _settle(kids, engine, server, prefix, tally.unexpected_exits,
                                args.run_worker)
             verdict = check.verify(engine, server.client(), prefix, [GROUP],
-                                   check_runs=args.run_worker)
+                                   check_runs=args.run_worker,
+                                   worker_group=WORKER_GROUP if args.run_worker else None)
             engine.dispose()
     finally:
         for child in kids:

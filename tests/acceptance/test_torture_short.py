@@ -1,8 +1,9 @@
-"""The short torture run (``python -m torture --quick``) as part of ``make test``.
+"""The short torture run (``python -m torture --quick --run-worker``) as part of ``make test``.
 
-Real daemons as subprocesses on SQLite and PostgreSQL with a Redis of the harness's own; every
-relay, consumer and producer fault point fires at least once, Redis is SIGKILLed, restarted empty
-and stalled, PostgreSQL sessions are terminated; the verdict must be clean.
+Real daemons as subprocesses on SQLite and PostgreSQL with a Redis of the harness's own,
+including 2 run workers; every producer, relay, consumer and worker fault point fires at least
+once, Redis is SIGKILLed, restarted empty and stalled, PostgreSQL sessions are terminated; the
+verdict must be clean and every created run terminal.
 """
 
 from __future__ import annotations
@@ -19,13 +20,14 @@ from torture.chaos import BROKER_FAULTS, DB_FAULT, POINTS_BY_KIND
 pytestmark = [pytest.mark.acceptance, pytest.mark.timeout(400)]
 
 ROOT = Path(__file__).resolve().parents[2]
-KILLED_KINDS = ("producer", "relay", "consumer")
+KILLED_KINDS = ("producer", "relay", "consumer", "worker")
 
 
 def test_quick_torture_on_both_databases_loses_and_duplicates_nothing(tmp_path: Path) -> None:
     out = tmp_path / "report.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "torture", "--quick", "--database", "both", "--out", str(out)],
+        [sys.executable, "-m", "torture", "--quick", "--database", "both", "--run-worker",
+         "--out", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=390, check=False,
     )
     assert out.exists(), proc.stderr[-3000:]
@@ -33,6 +35,9 @@ def test_quick_torture_on_both_databases_loses_and_duplicates_nothing(tmp_path: 
     for run in report["runs"]:
         assert run["violations"] == [], (run, proc.stdout[-3000:])
         assert run["events"] > 0
+        assert run["runs"] > 0
+        assert run["run_worker"] is True
+        assert run["runs_not_terminal"] == 0
         assert run["lost"] == run["duplicate_entries"] == run["duplicate_effects"] == 0
         for kind in KILLED_KINDS:
             for point in POINTS_BY_KIND[kind]:
