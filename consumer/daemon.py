@@ -117,6 +117,9 @@ class Consumer:
 
     def run_once(self, block_ms: int | None = None) -> int:
         """Autoclaim when due, then one ``XREADGROUP >``; returns entries handled."""
+        if self.handlers.paused():  # backpressure: let other consumers take the new entries
+            self._stop.wait(min(self.settings.block_ms, 50) / 1000)
+            return 0
         self._ensure_groups()
         handled = 0
         if time.monotonic() >= self._next_autoclaim:

@@ -34,6 +34,7 @@ class Handlers:
     def __init__(self) -> None:
         self._by_type: dict[str, Handler] = {}
         self._after_commit: list[tuple[str, Callable[[], None]]] = []
+        self._pause: Callable[[], bool] | None = None
 
     def register(self, event_type: str, handler: Handler) -> None:
         """Route events of ``event_type`` (or every type, with ``"*"``) to ``handler``."""
@@ -63,6 +64,15 @@ class Handlers:
         """The daemon's side: the callbacks of ``applied`` event ids; forget all the others."""
         taken, self._after_commit = self._after_commit, []
         return [callback for event_id, callback in taken if event_id in applied]
+
+    def pause_when(self, predicate: Callable[[], bool]) -> None:
+        """Backpressure: while ``predicate()`` is true the daemon reads nothing new, so entries
+        stay in the stream for other consumers instead of piling up behind slow work here."""
+        self._pause = predicate
+
+    def paused(self) -> bool:
+        """Whether the daemon should hold off reading (see :meth:`pause_when`)."""
+        return self._pause is not None and self._pause()
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._by_type)

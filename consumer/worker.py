@@ -123,6 +123,12 @@ class RunWorker:
         self._registry = registry
         for kind in RUN_EVENTS:
             registry.register(kind, self.handle)
+        registry.pause_when(self.saturated)
+
+    def saturated(self) -> bool:
+        """Holding twice as many runs as threads execute: read no more until some finish."""
+        with self._lock:
+            return len(self._held) >= 2 * self.settings.run_concurrency
 
     def handle(self, conn: Connection, event: Event, /) -> None:
         """The handler: claim the run on ``conn`` and schedule its execution after commit."""
@@ -155,7 +161,7 @@ class RunWorker:
 
         Never blocks: every run of a committed batch must be under the heartbeat at once, or
         the last ones' leases could expire while earlier ones wait. The backlog is bounded by
-        what the consumer reads (``batch_size`` per batch), not by this queue.
+        :meth:`saturated`: the consumer stops reading while this worker holds too many runs.
         """
         with self._lock:
             self._held[lease.token] = lease.row.id

@@ -31,6 +31,8 @@ def render(reports: list[dict[str, Any]]) -> str:
         lines.append(f"\n{r['database']}: kills per fault point")
         lines += [f"  {name:<28} {n:>6}" for name, n in r["kills"].items()]
         lines += [f"  {name:<28} {n:>6}" for name, n in r["infra_faults"].items()]
+        lines += [f"  exit.unavailable.{kind:<11} {n:>6}"
+                  for kind, n in r.get("unavailable_exits", {}).items()]
         verdict = "OK" if not r["violations"] else "VIOLATIONS: " + ", ".join(r["violations"])
         lines.append(f"  verdict: {verdict}")
     return "\n".join(lines)

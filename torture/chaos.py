@@ -48,6 +48,7 @@ class Tally:
     kills: Counter[str] = field(default_factory=Counter)
     faults: Counter[str] = field(default_factory=Counter)
     unexpected_exits: list[str] = field(default_factory=list)
+    unavailable_exits: Counter[str] = field(default_factory=Counter)  # per kind, see _record_death
 
     def total_kills(self) -> int:
         return sum(self.kills.values())
@@ -137,6 +138,9 @@ class Chaos:
         point = child.fault_fired()
         if point is not None:
             self.tally.kills[point] += 1
+        elif child.gave_up_unavailable():  # while starting, during a broker or database fault
+            self.tally.unavailable_exits[child.kind] += 1
+            log.info("%s gave up starting: unavailable (log %s)", child.name, child.logs[-1])
         elif code != -9:
             self.tally.unexpected_exits.append(f"{child.name}#{child.incarnation}: exit {code}")
             log.warning("%s exited with %s (log %s)", child.name, code, child.logs[-1])

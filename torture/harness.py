@@ -209,6 +209,7 @@ def run_one(kind: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
         "settle_seconds": None if settle_s is None else round(settle_s, 1),
         "kills": dict(sorted(tally.kills.items())), "total_kills": tally.total_kills(),
         "infra_faults": dict(sorted(tally.faults.items())), "repaired_entries": repaired,
+        "unavailable_exits": dict(sorted(tally.unavailable_exits.items())),
         **verdict.as_dict(), "violations": violations,
     }
     if not args.keep and not violations:

@@ -74,6 +74,15 @@ class Child:
         found = FAULT_LINE.search(self.logs[-1].read_bytes())
         return found.group(1).decode() if found else None
 
+    def gave_up_unavailable(self) -> bool:
+        """Whether the current incarnation exited 1 saying ``error unavailable``: a daemon
+        that cannot reach Redis or the database while it starts (its run loop retries
+        instead) gives up and leaves the restart to its supervisor, here the harness."""
+        if not self.logs or self.returncode() != 1:
+            return False
+        lines = self.logs[-1].read_bytes().strip().splitlines()
+        return bool(lines) and lines[-1].startswith(b"error unavailable:")
+
     def kill(self) -> None:
         """SIGKILL the current incarnation and reap it."""
         if self.proc is not None and self.proc.poll() is None:

@@ -322,3 +322,19 @@ def test_end_to_end_200_events_over_4_partitions(
     assert effect_counts(engine) == Counter(ids)
     assert pending_total(redis_client, key_prefix) == 0
     assert all(dead_letters(redis_client, key_prefix, p) == [] for p in range(PARTITIONS))
+
+
+def test_backpressure_leaves_new_entries_in_the_stream_until_released(
+    effects_engine: Engine, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    recorder = Recorder()
+    busy = [True]
+    recorder.handlers.pause_when(lambda: busy[0])
+    consumer = make_consumer(effects_engine, redis_client, key_prefix, recorder)
+    ev = event("agg-1", 1)
+    xadd_event(redis_client, key_prefix, ev)
+    assert consumer.run_once() == 0  # paused: nothing read, nothing pending for us
+    assert recorder.calls == {} and pending_total(redis_client, key_prefix) == 0
+    busy[0] = False
+    run_until(consumer, lambda: recorder.calls.get(ev.id) == 1, "the entry to be handled")
+    assert effect_counts(effects_engine) == {ev.id: 1}
