@@ -28,6 +28,8 @@ def summary(values: list[float]) -> Summary:
 def percentile(values: list[float], q: float) -> float:
     """The ``q`` quantile (0..1) by nearest rank on sorted values."""
     ordered = sorted(values)
+    if not ordered:
+        return float("nan")
     index = min(len(ordered) - 1, max(0, round(q * len(ordered)) - 1))
     return ordered[index]
 
@@ -50,7 +52,8 @@ def table(results: dict[str, Any]) -> str:
             lines.append(f"  consumer {name:>10}: {fmt(s, ' claims/s')}  x{s['ratio']:.2f}")
         for rate, lat in r.get("latency", {}).items():
             cells = "  ".join(f"{q} {fmt(lat[q], '', 1)}" for q in ("p50", "p95", "p99", "max"))
-            lines.append(f"  latency {rate:>6}/s (ms): {cells}")
+            behind = f"  (fell behind: {lat['missing']} unclaimed)" if lat.get("missing") else ""
+            lines.append(f"  latency {rate:>6}/s (ms): {cells}{behind}")
         if "producer" in r:
             p = r["producer"]
             lines.append(

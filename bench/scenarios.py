@@ -6,6 +6,7 @@ Redis ceiling and the producer overhead run in this process, serially, as their 
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import statistics
 import time
@@ -137,6 +138,7 @@ class Pipeline:
 
     latencies_ms: list[float]
     rss_kb: dict[str, list[tuple[float, int]]]
+    missing: int = 0  # events not claimed by the deadline: the pipeline did not keep up
 
 
 def rss_kb(pid: int) -> int:
@@ -179,15 +181,16 @@ def pipeline(
                 next_sample += sample_every
             return now > t0 + seconds and target.count(CLAIMED) >= total
 
-        wait_for(done, deadline - t0, "the pipeline to deliver every event")
+        # Falling behind is a finding, not a crash: report what was claimed and the rest.
+        with contextlib.suppress(TimeoutError):
+            wait_for(done, deadline - t0, "the pipeline to deliver every event")
         _sample(rss, relay.pid, consumer.pid, time.monotonic() - t0)
         c.stop.set()
         results = {r.get("name", r.get("node")): r for r in c.collect(3, timeout=60)}
     committed = results["producer"]["committed"]
     claimed = results["bench-consumer"]["claimed"]
     lat = [(claimed[i] - t) * 1000 for i, t in committed.items() if i in claimed]
-    assert len(lat) == total, f"{len(lat)} of {total} events matched"
-    return Pipeline(lat, rss)
+    return Pipeline(lat, rss, missing=total - len(lat))
 
 
 def _sample(rss: dict[str, list[tuple[float, int]]], relay: int, consumer: int, t: float) -> None:
