@@ -18,6 +18,8 @@ from sqlalchemy import (
     BigInteger,
     Connection,
     Engine,
+    String,
+    any_,
     bindparam,
     cast,
     exc,
@@ -159,24 +161,32 @@ def _decide_all(
 
 
 def _existing(conn: Connection, group: str, event_ids: list[str]) -> set[str]:
-    rows = conn.execute(
-        select(inbox.c.event_id).where(
-            inbox.c.group_name == group, inbox.c.event_id.in_(set(event_ids))
-        )
-    )
+    if is_postgres(conn):  # one array parameter: the same SQL text for every batch size
+        ids = bindparam("b_ids", sorted(set(event_ids)), type_=postgresql.ARRAY(String))
+        matches = inbox.c.event_id == any_(ids)
+    else:
+        matches = inbox.c.event_id.in_(set(event_ids))
+    rows = conn.execute(select(inbox.c.event_id).where(inbox.c.group_name == group, matches))
     return {r[0] for r in rows}
 
 
 def _heads(conn: Connection, group: str, aggregates: set[tuple[str, str]]) -> dict[Any, int]:
     if not aggregates:
         return {}
-    rows = conn.execute(
-        select(inbox_heads.c.aggregate_type, inbox_heads.c.aggregate_id, inbox_heads.c.revision)
-        .where(
-            inbox_heads.c.group_name == group,
-            tuple_(inbox_heads.c.aggregate_type, inbox_heads.c.aggregate_id).in_(list(aggregates)),
+    columns = (inbox_heads.c.aggregate_type, inbox_heads.c.aggregate_id, inbox_heads.c.revision)
+    if is_postgres(conn):  # constant SQL (two array parameters), not one placeholder per key
+        types, ids = zip(*sorted(aggregates), strict=True)
+        given = func.unnest(
+            bindparam("b_types", list(types), type_=postgresql.ARRAY(String)),
+            bindparam("b_ids", list(ids), type_=postgresql.ARRAY(String)),
+        ).table_valued("t", "i", name="given").render_derived()
+        query = select(*columns).where(
+            inbox_heads.c.aggregate_type == given.c.t, inbox_heads.c.aggregate_id == given.c.i
         )
-    )
+    else:
+        keys = tuple_(inbox_heads.c.aggregate_type, inbox_heads.c.aggregate_id)
+        query = select(*columns).where(keys.in_(list(aggregates)))
+    rows = conn.execute(query.where(inbox_heads.c.group_name == group))
     return {(t, i): rev for t, i, rev in rows}
 
 

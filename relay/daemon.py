@@ -16,6 +16,7 @@ import signal
 import socket
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from types import FrameType
 
@@ -61,6 +62,13 @@ class Relay:
         self._next_lease_check = 0.0
         self._backoff = 0.0
         self._found_rows = False
+        self._append_thread: ThreadPoolExecutor | None = None
+
+    def append_thread(self) -> ThreadPoolExecutor:
+        """The one thread that runs in-flight appends (created on first use)."""
+        if self._append_thread is None:
+            self._append_thread = ThreadPoolExecutor(1, thread_name_prefix="outbox-append")
+        return self._append_thread
 
     def stop(self) -> None:
         """Ask the loop to finish its round and return (safe from a signal handler)."""
@@ -103,6 +111,9 @@ class Relay:
                     self.wakeup.wait()
         finally:
             self._release()
+            if self._append_thread is not None:
+                self._append_thread.shutdown(wait=True)
+                self._append_thread = None
         log.info("relay %s stopped: %s", self.node_id, self.stats)
         return self.stats
 
@@ -240,17 +251,22 @@ class Relay:
 
 
 class _Append:
-    """One batch's append, inline (``result`` runs it) or on its own thread (``start``)."""
+    """One batch's append, inline (``result`` runs it) or on the relay's append thread (``start``).
+
+    The append thread is long-lived: starting a thread per batch made the relay thread wait
+    for the new thread to be scheduled (≈6 ms per batch on a loaded 2-core machine, 12% of a
+    backlog drain). Still one batch in flight at a time: ``start`` follows the previous
+    batch's ``result``.
+    """
 
     def __init__(self, relay: Relay, rows: list[store.OutboxRow]) -> None:
         self._relay, self._rows = relay, rows
-        self._thread: threading.Thread | None = None
+        self._future: Future[None] | None = None
         self._outcome: tuple[append.Verdicts, bool] | None = None
         self._error: BaseException | None = None
 
     def start(self) -> _Append:
-        self._thread = threading.Thread(target=self._run, name="outbox-append", daemon=True)
-        self._thread.start()
+        self._future = self._relay.append_thread().submit(self._run)
         return self
 
     def _run(self) -> None:
@@ -260,10 +276,10 @@ class _Append:
             self._error = err
 
     def result(self) -> tuple[append.Verdicts, bool]:
-        if self._thread is None:
+        if self._future is None:
             self._run()
         else:
-            self._thread.join()
+            self._future.result()  # _run keeps its own error
         if self._error is not None:
             raise self._error
         assert self._outcome is not None
@@ -271,7 +287,7 @@ class _Append:
 
     def wait_quietly(self) -> None:
         """Let an in-flight append finish; its rows stay unmarked and are retried by id."""
-        if self._thread is not None:
-            self._thread.join()
+        if self._future is not None:
+            self._future.result()
         if self._error is not None:
             log.debug("in-flight append failed during an error", exc_info=self._error)

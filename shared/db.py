@@ -96,7 +96,35 @@ def _tune_sqlite(engine: Engine) -> None:
 
     @event.listens_for(engine, "begin")
     def _begin(conn: Connection) -> None:
-        conn.exec_driver_sql("BEGIN IMMEDIATE")
+        _begin_immediate(conn)
+
+
+def _begin_immediate(conn: Connection) -> None:
+    """``BEGIN IMMEDIATE``, waiting for the write lock in 1 ms steps (up to the busy timeout).
+
+    SQLite's own busy handler sleeps in growing steps of up to 100 ms. While other writers keep
+    the lock busy most of the time (a steady producer, the consumer's claims), a waiter that
+    looks only every 100 ms rarely finds it free and waits seconds: the relay's settle starved
+    that way (p50 1.2 s end to end at 1,000 events/s). Looking every millisecond finds the gaps
+    between transactions. Statements inside the transaction keep the long busy timeout.
+    """
+    raw = conn.connection.dbapi_connection
+    assert raw is not None
+    locked = conn.dialect.loaded_dbapi.OperationalError
+    deadline = time.monotonic() + SQLITE_BUSY_TIMEOUT_MS / 1000
+    cursor = raw.cursor()
+    try:
+        cursor.execute("PRAGMA busy_timeout=1")
+        while True:
+            try:
+                cursor.execute("BEGIN IMMEDIATE")
+                break
+            except locked as err:
+                if "locked" not in str(err) or time.monotonic() >= deadline:
+                    raise
+    finally:
+        cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+        cursor.close()
 
 
 def is_postgres(conn: Connection | Engine) -> bool:

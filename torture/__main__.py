@@ -1,5 +1,5 @@
 """``python -m torture [--database sqlite|postgresql|both] [--duration S] [--kills N]
-[--quick]``: run the harness, print the table, write the JSON report."""
+[--quick] [--run-worker]``: run the harness, print the table, write the JSON report."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from torture.harness import parse_args, run_one
 COLUMNS = (
     ("database", "database"), ("fault_seconds", "fault s"), ("settle_seconds", "settle s"),
     ("total_kills", "kills"), ("events", "events"), ("runs", "runs"),
-    ("runs_not_terminal", "open runs"), ("lost", "lost"),
+    ("runs_not_terminal", "open runs"), ("lost", "lost"), ("stale_superseded", "superseded"),
     ("duplicate_entries", "dup entries"), ("duplicate_effects", "dup effects"),
     ("repaired_entries", "repaired"), ("undelivered", "undelivered"), ("pending", "pending"),
 )

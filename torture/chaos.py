@@ -10,6 +10,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import redis
 from sqlalchemy import Engine, text
 
 from torture.procs import Child, RedisServer
@@ -77,15 +78,21 @@ class Chaos:
         self.points = [p for k in sorted(kinds) for p in POINTS_BY_KIND.get(k, ())]
 
     def arm(self, child: Child) -> str:
-        """The next point of this kind, round robin (``unarmed_share`` of incarnations run
-        unarmed, dying only by a harness kill)."""
+        """A point of this kind among those with the fewest kills so far, round robin among
+        equals (``unarmed_share`` of incarnations run unarmed, dying only by a harness kill).
+
+        Fewest kills first: a point that fires rarely (``relay.after_mark`` needs a whole
+        round to finish) is armed again and again until it fired, so coverage does not wait
+        on luck."""
         points = POINTS_BY_KIND.get(child.kind, ())
         if not points or self.rng.random() < self.plan.unarmed_share:
             return ""
+        least = min(self.tally.kills[p] for p in points)
+        candidates = [p for p in points if self.tally.kills[p] == least]
         i = self._next_point[child.kind]
         self._next_point[child.kind] += 1
         rate = self.plan.rates.get(child.kind, 0.05) * self.rng.uniform(0.5, 1.5)
-        return f"{points[i % len(points)]}:{min(rate, 1.0):.4f}"
+        return f"{candidates[i % len(candidates)]}:{min(rate, 1.0):.4f}"
 
     def run(self) -> Tally:
         """Loop until duration, kill count and coverage are met (or the hard cap)."""
@@ -103,9 +110,11 @@ class Chaos:
                 self._random_kill()
                 next_random = now + self.rng.expovariate(1 / self.plan.random_kill_every_s)
             if now >= next_broker:
-                self._broker_fault(BROKER_FAULTS[broker_i % len(BROKER_FAULTS)])
-                broker_i += 1
-                next_broker = time.monotonic() + self.plan.broker_every_s
+                if self._broker_fault(BROKER_FAULTS[broker_i % len(BROKER_FAULTS)]):
+                    broker_i += 1
+                    next_broker = time.monotonic() + self.plan.broker_every_s
+                else:  # nothing to lose yet: try again soon
+                    next_broker = time.monotonic() + 1.0
             if self.terminate_backends is not None and now >= next_db:
                 n = self.terminate_backends()
                 self.tally.faults[DB_FAULT] += 1
@@ -156,7 +165,11 @@ class Chaos:
             victim.proc = None  # recorded here; restart without recording again
             victim.start(self.arm(victim))
 
-    def _broker_fault(self, fault: str) -> None:
+    def _broker_fault(self, fault: str) -> bool:
+        """Inflict ``fault``; False (nothing done) for an empty restart while Redis holds no
+        stream entry yet, since losing nothing would prove nothing about the repair."""
+        if fault == "redis.restart_empty" and not self._stream_entries():
+            return False
         log.info("broker fault: %s", fault)
         if fault == "redis.kill_persistent":
             self.redis.kill()
@@ -169,6 +182,17 @@ class Chaos:
             time.sleep(self.rng.uniform(*self.plan.stall_s))
             self.redis.resume()
         self.tally.faults[fault] += 1
+        return True
+
+    def _stream_entries(self) -> int:
+        """Entries in every stream of the harness's Redis (0 if it does not answer)."""
+        client = self.redis.client()
+        try:
+            return sum(int(client.xlen(k)) for k in client.scan_iter(_type="STREAM"))
+        except (redis.ConnectionError, redis.TimeoutError):
+            return 0
+        finally:
+            client.close()
 
 
 def terminate_backends_by_app_name(admin: Engine, application_name: str) -> Callable[[], int]:

@@ -3,8 +3,14 @@
 Every committed outbox row is an event that must be, exactly once, in its stream; every group
 must hold exactly one ``applied`` receipt and exactly one side-effect row per event; nothing may
 be left undelivered or pending. With run workers, every run must be terminal and the workers'
-group must hold exactly one receipt (``applied``, or ``stale`` for an event older than the run)
-per event of the runs stream.
+group must hold exactly one receipt per event of the runs stream.
+
+One exception to ``applied``: an aggregate's event may be ``stale`` (skipped by the inbox's
+revision head, its handler not run) when the same group applied a *newer* revision of that
+aggregate. That happens after broker data loss: a run's ``run.completed`` appended after the
+loss can be read before its ``run.created`` is refilled below it. Applying the older one then
+would move the aggregate backward, so skipping it is the promise; ``stale_superseded`` counts
+them, and a ``stale`` receipt without a newer applied revision is a violation.
 """
 
 from __future__ import annotations
@@ -21,7 +27,6 @@ from shared.schema import inbox, outbox, runs
 from torture import app
 
 TERMINAL = ("completed", "failed")
-WORKER_OUTCOMES = ("applied", "stale")
 
 
 @dataclass
@@ -40,6 +45,7 @@ class Verdict:
     missing_effects: int = 0
     pending: int = 0
     dead_letters: int = 0
+    stale_superseded: int = 0
     worker_receipts_missing: int = 0
     worker_receipts_bad: int = 0
 
@@ -103,7 +109,8 @@ def verify(
             select(func.count()).where(runs.c.status.not_in(TERMINAL))
         ).scalar_one()) if check_runs else 0
         receipts = conn.execute(
-            select(inbox.c.group_name, inbox.c.event_id, inbox.c.outcome)
+            select(inbox.c.group_name, inbox.c.event_id, inbox.c.outcome,
+                   inbox.c.aggregate_type, inbox.c.aggregate_id, inbox.c.revision)
         ).all()
         effect_counts = conn.execute(
             select(app.effects.c.group_name, app.effects.c.event_id, func.count())
@@ -122,26 +129,47 @@ def verify(
         count = in_streams[(r.stream, r.partition)].get(r.event_id, 0)
         v.lost += count == 0
         v.duplicate_entries += max(count - 1, 0)
-    _receipts_and_effects(v, [r.event_id for r in rows], groups, receipts, effect_counts)
+    superseded = _superseded(receipts)
+    v.stale_superseded = len(superseded)
+    _receipts_and_effects(v, [r.event_id for r in rows], groups, receipts, effect_counts,
+                          superseded)
     if worker_group is not None:
-        outcome = {e: o for g, e, o in receipts if g == worker_group}
+        outcome = {r.event_id: r.outcome for r in receipts if r.group_name == worker_group}
         run_events = [r.event_id for r in rows if r.stream == runs_stream]
         v.worker_receipts_missing = sum(1 for e in run_events if e not in outcome)
         v.worker_receipts_bad = sum(
-            1 for e in run_events if e in outcome and outcome[e] not in WORKER_OUTCOMES)
+            1 for e in run_events if e in outcome and outcome[e] != "applied"
+            and (worker_group, e) not in superseded)
     return v
 
 
+def _superseded(receipts: Any) -> set[tuple[str, str]]:
+    """``(group, event_id)`` of ``stale`` receipts whose group applied a newer revision of
+    the same aggregate."""
+    newest: dict[tuple[str, str, str], int] = {}
+    for r in receipts:
+        if r.outcome == "applied" and r.aggregate_id is not None and r.revision is not None:
+            key = (r.group_name, r.aggregate_type, r.aggregate_id)
+            newest[key] = max(newest.get(key, 0), int(r.revision))
+    return {
+        (r.group_name, r.event_id) for r in receipts
+        if r.outcome == "stale" and r.revision is not None
+        and newest.get((r.group_name, r.aggregate_type, r.aggregate_id), 0) > int(r.revision)
+    }
+
+
 def _receipts_and_effects(
-    v: Verdict, event_ids: list[str], groups: list[str], receipts: Any, effect_counts: Any
+    v: Verdict, event_ids: list[str], groups: list[str], receipts: Any, effect_counts: Any,
+    superseded: set[tuple[str, str]],
 ) -> None:
-    outcome = {(g, e): o for g, e, o in receipts}
+    outcome = {(r.group_name, r.event_id): r.outcome for r in receipts}
     effects = {(g, e): int(n) for g, e, n in effect_counts}
     for group in groups:
         for event_id in event_ids:
             got = outcome.get((group, event_id))
             v.missing_receipts += got is None
-            v.not_applied += got is not None and got != "applied"
+            v.not_applied += (got is not None and got != "applied"
+                              and (group, event_id) not in superseded)
             n = effects.get((group, event_id), 0)
             v.missing_effects += got == "applied" and n == 0
             v.duplicate_effects += max(n - 1, 0)

@@ -1,10 +1,10 @@
 """``python -m torture``: the real daemons under faults, then the verdict.
 
 For each database (SQLite file, PostgreSQL schema of its own): start a Redis of its own
-(``appendonly yes``, ``appendfsync always``), a producer, 2 relays and 2 consumers as separate
-processes; kill them at random and at every fault point, break Redis and the database on a
-schedule; then let everything settle, check (:mod:`torture.check`), print a table and write JSON.
-Exit status 1 on any violation.
+(``appendonly yes``, ``appendfsync always``), a producer, 2 relays, 2 consumers and (with
+``--run-worker``) 2 run workers as separate processes; kill them at random and at every fault
+point, break Redis and the database on a schedule; then let everything settle, check
+(:mod:`torture.check`), print a table and write JSON. Exit status 1 on any violation.
 """
 
 from __future__ import annotations
