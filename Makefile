@@ -47,10 +47,10 @@ bench-quick: install
 # Crash-safety proof: >= 1000 kills per database plus broker and database faults;
 # the report is printed and written to torture/out/report.json.
 torture: install
-	$(BIN)/python -m torture --database both --kills 1000 --duration 120
+	$(BIN)/python -m torture --database both --run-worker --kills 1000 --duration 120
 
 torture-short: install
-	$(BIN)/python -m torture --quick --database both
+	$(BIN)/python -m torture --quick --database both --run-worker
 
 clean:
 	rm -rf $(VENV) .outbox-demo .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 
 from cli import apps, options
 from cli import status as status_report
+from cli.startup import until_available
 from consumer.daemon import Consumer
 from consumer.worker import WorkerSettings
 from relay.daemon import Relay
@@ -48,7 +49,7 @@ def cmd_relay(args: argparse.Namespace) -> int:
     settings = options.load_settings(RelaySettings, args)
     configure_logging(settings.log_level)
     engine = db.make_engine(settings.database_url)
-    db.check_schema(engine)
+    until_available(lambda: db.check_schema(engine), "schema check", settings.startup_timeout_s)
     relay = Relay(settings, engine, connect_redis(settings.redis_url,
                                                   timeout_s=settings.redis_timeout_s))
     relay.install_signal_handlers()
@@ -63,8 +64,10 @@ def cmd_consume(args: argparse.Namespace) -> int:
     if settings.redis_timeout_s * 1000 <= settings.block_ms:
         raise ConfigError("redis_timeout_s must be longer than block_ms")
     engine = db.make_engine(settings.database_url)
-    db.check_schema(engine)
-    handlers = apps.load_handlers(args.app, settings)
+    patience = settings.startup_timeout_s
+    until_available(lambda: db.check_schema(engine), "schema check", patience)
+    handlers = until_available(lambda: apps.load_handlers(args.app, settings), "start-up",
+                               patience)
     client = connect_redis(settings.redis_url, timeout_s=settings.redis_timeout_s)
     consumer = Consumer(settings, engine, client, handlers)
     consumer.install_signal_handlers()

@@ -14,6 +14,7 @@ import logging
 import signal
 from types import FrameType
 
+from cli.startup import until_available
 from consumer.sweeper import sweep
 from producer.runs import store_for
 from producer.serve_settings import ServeSettings
@@ -37,10 +38,14 @@ def main(args: argparse.Namespace) -> int:
     settings = options.load_settings(ServeSettings, args)
     configure_logging(settings.log_level)
     engine = db.make_engine(settings.database_url)
-    db.check_schema(engine)
+    patience = settings.startup_timeout_s
+    until_available(lambda: db.check_schema(engine), "schema check", patience)
     store = store_for(settings, source="outbox-api")
-    recovered = sweep(engine, store, max_attempts=settings.run_max_attempts,
-                      limit=settings.sweep_batch)
+    recovered = until_available(
+        lambda: sweep(engine, store, max_attempts=settings.run_max_attempts,
+                      limit=settings.sweep_batch),
+        "recovery sweep", patience,
+    )
     log.info("recovered %d run(s), failed %d", recovered.resumed, recovered.failed)
     app = create_app(engine, store, max_body_bytes=settings.max_body_bytes)
     log.info("serving runs of %s on http://%s:%d", redact_url(settings.database_url),

@@ -31,6 +31,9 @@ class CommonSettings(BaseSettings):
         4, ge=1, le=1024, description="Partitions per stream; an aggregate always maps to one."
     )
     log_level: str = Field("INFO", description="Log level (DEBUG shows driver messages).")
+    startup_timeout_s: float = Field(
+        60.0, ge=0, description="How long a daemon retries an unavailable database at start-up."
+    )
 
     @field_validator("key_prefix")
     @classmethod

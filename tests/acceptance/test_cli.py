@@ -164,3 +164,36 @@ def test_errors_are_one_coded_line_without_traceback_or_secret(
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert "Traceback" not in result.stderr
     assert "hunter2" not in result.stderr + result.stdout
+
+
+def test_relay_waits_for_a_database_that_comes_up_after_it(
+    tmp_path: Path, key_prefix: str, redis_client: redis.Redis
+) -> None:
+    from shared import db
+    from tests.helpers import stream_entries, wait_until
+
+    url = f"sqlite:///{tmp_path}/later/outbox.db"  # its folder does not exist yet: unavailable
+    log = tmp_path / "relay.log"
+    base = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
+    env = {**base, "OUTBOX_DATABASE_URL": url, "OUTBOX_REDIS_URL": REDIS_URL,
+           "OUTBOX_KEY_PREFIX": key_prefix, "OUTBOX_PARTITIONS": str(PARTITIONS)}
+    with log.open("w") as out:
+        proc = subprocess.Popen([str(OUTBOX), "relay", "--until-idle", "--startup-timeout-s",
+                                 "60"], env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_until(lambda: "retrying" in log.read_text(), what="the relay to retry its start")
+        # Build the database elsewhere, then move its folder into place in one step, so the
+        # relay finds it migrated and holding events (and cannot exit idle in between).
+        staging = tmp_path / "staging"
+        staging.mkdir()
+        engine = db.make_engine(f"sqlite:///{staging}/outbox.db")
+        db.upgrade(engine)
+        ids = enqueue_events(engine, 5)
+        engine.dispose()
+        staging.rename(tmp_path / "later")
+        assert proc.wait(timeout=60) == 0, log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert sorted(f["id"] for _p, _id, f in stream_entries(redis_client, key_prefix)) == sorted(ids)
