@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing
+import queue
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -186,7 +187,10 @@ def pipeline(
             wait_for(done, deadline - t0, "the pipeline to deliver every event")
         _sample(rss, relay.pid, consumer.pid, time.monotonic() - t0)
         c.stop.set()
-        results = {r.get("name", r.get("node")): r for r in c.collect(3, timeout=60)}
+        try:
+            results = {r.get("name", r.get("node")): r for r in c.collect(3, timeout=120)}
+        except queue.Empty:  # a child never reported: the run is lost, not the whole bench
+            return Pipeline([], rss, missing=total)
     committed = results["producer"]["committed"]
     claimed = results["bench-consumer"]["claimed"]
     lat = [(claimed[i] - t) * 1000 for i, t in committed.items() if i in claimed]
