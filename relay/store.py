@@ -143,17 +143,22 @@ def release_leases(engine: Engine, node_id: str, leases: dict[int, int]) -> None
         conn.execute(delete(relay_nodes).where(relay_nodes.c.node_id == node_id))
 
 
+def _ours(partition: int, node_id: str, epoch: int, now: int) -> tuple[Any, ...]:
+    """The lease row of ``partition`` as long as this node holds it at ``epoch`` (the fence)."""
+    return (
+        relay_leases.c.partition == partition,
+        relay_leases.c.owner == node_id,
+        relay_leases.c.epoch == epoch,
+        relay_leases.c.expires_at_ms > now,
+    )
+
+
 def _check_lease(
     conn: Connection, partition: int, node_id: str, epoch: int, now: int, ttl_ms: int
 ) -> None:
     result = conn.execute(
         update(relay_leases)
-        .where(
-            relay_leases.c.partition == partition,
-            relay_leases.c.owner == node_id,
-            relay_leases.c.epoch == epoch,
-            relay_leases.c.expires_at_ms > now,
-        )
+        .where(*_ours(partition, node_id, epoch, now))
         .values(expires_at_ms=now + ttl_ms)
     )
     if result.rowcount != 1:
@@ -179,10 +184,7 @@ def _check_lease_with_work(
     last = conn.execute(
         update(relay_leases)
         .where(
-            relay_leases.c.partition == partition,
-            relay_leases.c.owner == node_id,
-            relay_leases.c.epoch == epoch,
-            relay_leases.c.expires_at_ms > now,
+            *_ours(partition, node_id, epoch, now),
             select(outbox.c.seq).where(*pending).exists(),
         )
         .values(expires_at_ms=now + ttl_ms)
@@ -190,11 +192,10 @@ def _check_lease_with_work(
     ).scalar_one_or_none()
     if last is not None:
         return str(last)
-    lease = conn.execute(
-        select(relay_leases.c.owner, relay_leases.c.epoch, relay_leases.c.expires_at_ms)
-        .where(relay_leases.c.partition == partition)
+    held = conn.execute(
+        select(relay_leases.c.partition).where(*_ours(partition, node_id, epoch, now))
     ).first()
-    if lease is None or tuple(lease)[:2] != (node_id, epoch) or lease[2] <= now:
+    if held is None:
         raise LeaseLostError(f"partition {partition} is no longer ours (epoch {epoch})")
     return None
 
