@@ -1,4 +1,5 @@
 """The torture harness: real daemons, real faults, and a verdict read from the database and Redis.
 
-``python -m torture --help``. See ``docs/guarantees.md`` for what it proves and how.
+``python -m torture --help``. The README section "Guarantees and how we test them" says what
+it proves and how.
 """
