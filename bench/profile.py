@@ -15,7 +15,7 @@ import tempfile
 import time
 
 from bench import env
-from consumer import inbox, streams
+from consumer import streams
 from consumer.daemon import Consumer
 from consumer.handlers import Handlers
 from relay.daemon import Relay
@@ -29,7 +29,7 @@ def _noop(_conn: object, _event: Event) -> None:
 
 
 def profile_relay(
-    target: env.Target, events: int, batch: int, _batchable: bool
+    target: env.Target, events: int, batch: int
 ) -> cProfile.Profile:
     target.reset(1)
     target.seed(events, 1)
@@ -46,14 +46,14 @@ def profile_relay(
 
 
 def profile_consumer(
-    target: env.Target, events: int, batch: int, batchable: bool
+    target: env.Target, events: int, batch: int
 ) -> cProfile.Profile:
     target.reset(4)
     env.fill_streams(target.redis, target.prefix, events, 4)
     keys = streams.partition_keys(target.prefix, [env.STREAM], 4)
     streams.ensure_groups(target.redis, keys, "bench")
     handlers = Handlers()
-    handlers.register("*", inbox.batchable(_noop) if batchable else _noop)
+    handlers.register("*", _noop)
     settings = ConsumerSettings.model_validate({
         "database_url": target.url, "redis_url": env.REDIS_URL, "key_prefix": target.prefix,
         "partitions": 4, "streams": env.STREAM, "group": "bench", "consumer": "profile",
@@ -79,13 +79,12 @@ def main() -> None:
     p.add_argument("--events", type=int, default=20_000)
     p.add_argument("--batch", type=int, default=500)
     p.add_argument("--top", type=int, default=25)
-    p.add_argument("--batchable", action="store_true", help="consumer: opt the handler in")
     args = p.parse_args()
     workdir = tempfile.mkdtemp(prefix="outbox-profile-")
     target = env.open_target(args.database, workdir)
     try:
         run = profile_relay if args.daemon == "relay" else profile_consumer
-        prof = run(target, args.events, args.batch, args.batchable)
+        prof = run(target, args.events, args.batch)
     finally:
         target.close()
     for key in ("tottime", "cumulative"):

@@ -138,17 +138,14 @@ def bench_database(
 def _consumers(target: env.Target, cfg: Config, say: Any) -> dict[str, Any]:
     results: dict[str, Any] = {}
     first = 0.0
-    from consumer import inbox
-
-    for batchable in (False, True) if hasattr(inbox, "batchable") else (False,):
-        for procs in cfg.consumer_procs:
-            name = f"{procs} proc" + (" batchable" if batchable else "")
-            say(f"consumer {name}")
-            s = repeat(cfg.runs, lambda p=procs, b=batchable: scenarios.consumer_throughput(
-                target, cfg.consumer_events, p, cfg.consumer_batch, 4, b))
-            first = first or s["median"]
-            s["ratio"] = s["median"] / first
-            results[name] = s
+    for procs in cfg.consumer_procs:
+        name = f"{procs} proc"
+        say(f"consumer {name}")
+        s = repeat(cfg.runs, lambda p=procs: scenarios.consumer_throughput(
+            target, cfg.consumer_events, p, cfg.consumer_batch, 4))
+        first = first or s["median"]
+        s["ratio"] = s["median"] / first
+        results[name] = s
     return results
 
 

@@ -114,7 +114,7 @@ def relay_throughput(target: Target, events: int, partitions: int, batch: int) -
 
 
 def consumer_throughput(
-    target: Target, events: int, processes: int, batch: int, partitions: int, batchable: bool
+    target: Target, events: int, processes: int, batch: int, partitions: int
 ) -> float:
     """Claims/s of ``processes`` consumers (no-op handler) over a full stream backlog."""
     target.reset(partitions)
@@ -124,7 +124,7 @@ def consumer_throughput(
     with cluster() as c:
         for i in range(processes):
             c.spawn(workers.consumer_child, target.url, target.prefix, partitions, batch,
-                    f"bench-consumer-{i}", c.ready, c.start, c.stop, c.results, False, batchable)
+                    f"bench-consumer-{i}", c.ready, c.start, c.stop, c.results, False)
         t0 = c.go()
         wait_for(lambda: target.count(CLAIMED) >= events, 600, "the consumers")
         c.stop.set()
@@ -165,7 +165,7 @@ def pipeline(
         relay = c.spawn(workers.relay_child, target.url, target.prefix, partitions, 500,
                         "bench-relay", c.ready, c.start, c.stop, c.results, False)
         consumer = c.spawn(workers.consumer_child, target.url, target.prefix, partitions, 500,
-                           "bench-consumer", c.ready, c.start, c.stop, c.results, True, False)
+                           "bench-consumer", c.ready, c.start, c.stop, c.results, True)
         c.spawn(workers.producer_child, target.url, target.prefix, partitions, rate, seconds,
                 c.ready, c.start, c.results)
         rss: dict[str, list[tuple[float, int]]] = {"relay": [], "consumer": []}

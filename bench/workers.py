@@ -61,7 +61,7 @@ def _noop(_conn: Connection, _event: Event) -> None:
 
 def consumer_child(
     url: str, prefix: str, partitions: int, batch: int, name: str,
-    ready: Any, start: Any, stop: Any, results: Any, record: bool, batchable: bool,
+    ready: Any, start: Any, stop: Any, results: Any, record: bool,
 ) -> None:
     """One consumer of group ``bench``; with ``record``, the claim time of every event id."""
     claimed: dict[str, float] = {}
@@ -76,13 +76,8 @@ def consumer_child(
             claimed.setdefault(event_id, now)
         current.clear()
 
-    chosen = handler if record else _noop
-    if batchable:
-        from consumer import inbox
-
-        chosen = inbox.batchable(chosen)  # type: ignore[attr-defined,unused-ignore]
     handlers = Handlers()
-    handlers.register("*", chosen)
+    handlers.register("*", handler if record else _noop)
     settings = ConsumerSettings.model_validate({
         "database_url": url, "redis_url": REDIS_URL, "key_prefix": prefix,
         "partitions": partitions, "streams": STREAM, "group": "bench", "consumer": name,

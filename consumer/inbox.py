@@ -12,7 +12,7 @@ import hashlib
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 from sqlalchemy import (
     BigInteger,
@@ -30,7 +30,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects import postgresql, sqlite
 
-from consumer.handlers import Handler, Handlers
+from consumer.handlers import Handlers
 from shared.db import is_postgres, now_ms, translate_errors
 from shared.envelope import Event
 from shared.schema import inbox, inbox_heads
@@ -70,20 +70,6 @@ def _lock_key(group: str, d: Delivery) -> int:
     head = _head_key(d.event)
     raw = "\0".join((group, *head)) if head else f"{group}\0event\0{d.event.id}"
     return int.from_bytes(hashlib.blake2b(raw.encode(), digest_size=8).digest(), "big", signed=True)
-
-
-BATCHABLE = "__outbox_batchable__"
-H = TypeVar("H", bound=Handler)
-
-
-def batchable(handler: H) -> H:
-    """Kept for compatibility: every handler now runs on the optimistic path (see :func:`claim`).
-
-    It used to opt a handler in to running without its own savepoint; that is now the default
-    for all handlers, so the mark changes nothing.
-    """
-    setattr(handler, BATCHABLE, True)
-    return handler
 
 
 class _HandlerFailed(Exception):

@@ -1,4 +1,5 @@
-"""Handlers opted in with ``inbox.batchable`` skip their savepoints without changing outcomes."""
+"""The claim runs a batch's handlers under one savepoint and falls back to one savepoint per
+handler after a failure, without changing any outcome."""
 
 from __future__ import annotations
 
@@ -24,11 +25,10 @@ def receipts(engine: Engine) -> dict[str, str]:
         return {event_id: outcome for event_id, outcome in rows}
 
 
-def test_batchable_handlers_apply_a_batch_in_one_pass(engine: Engine) -> None:
+def test_handlers_apply_a_batch_in_one_pass(engine: Engine) -> None:
     create_effects(engine)
     calls: list[str] = []
 
-    @inbox.batchable
     def handler(conn: Connection, ev: Event) -> None:
         calls.append(ev.id)
         record_effect(conn, ev)
@@ -42,7 +42,7 @@ def test_batchable_handlers_apply_a_batch_in_one_pass(engine: Engine) -> None:
     assert effect_counts(engine) == {ev.id: 1 for ev in events}
 
 
-def test_a_failing_batchable_handler_fails_alone_and_drops_scheduled_work(
+def test_a_failing_handler_fails_alone_and_drops_scheduled_work(
     engine: Engine,
 ) -> None:
     create_effects(engine)
@@ -50,7 +50,6 @@ def test_a_failing_batchable_handler_fails_alone_and_drops_scheduled_work(
     bad = events[1].id
     handlers = Handlers()
 
-    @inbox.batchable
     def handler(conn: Connection, ev: Event) -> None:
         record_effect(conn, ev)
         handlers.after_commit(ev.id, lambda: None)
@@ -67,7 +66,7 @@ def test_a_failing_batchable_handler_fails_alone_and_drops_scheduled_work(
     assert len(handlers.take_after_commit({events[0].id, events[2].id})) == 2
 
 
-def test_a_batch_mixing_opted_in_and_plain_handlers_keeps_savepoints(engine: Engine) -> None:
+def test_handlers_before_a_failure_run_again_but_commit_once(engine: Engine) -> None:
     create_effects(engine)
     calls: list[str] = []
 
@@ -77,13 +76,12 @@ def test_a_batch_mixing_opted_in_and_plain_handlers_keeps_savepoints(engine: Eng
         if ev.aggregateid == "c1":
             raise RuntimeError("boom")
 
-    @inbox.batchable
-    def opted_in(conn: Connection, ev: Event) -> None:
+    def other(conn: Connection, ev: Event) -> None:
         record_effect(conn, ev)
 
     handlers = Handlers()
     handlers.register("thing.happened", plain)
-    handlers.register("other.thing", opted_in)
+    handlers.register("other.thing", other)
     events = [event("c0", 1), event("c1", 1), event("c2", 1, type="other.thing")]
     outcomes = inbox.claim(engine, "g", deliveries(events), handlers)
     assert [o.outcome for o in outcomes] == [inbox.APPLIED, inbox.FAILED, inbox.APPLIED]
