@@ -14,9 +14,8 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -27,16 +26,10 @@ from shared import runstate as rs
 from shared.schema import outbox
 from shared.settings import CommonSettings
 from tests.conftest import REDIS_URL
+from tests.helpers import wait_until
 
 pytestmark = pytest.mark.integration
 CLI = [sys.executable, "-m", "cli.main"]
-
-
-def wait_for(condition: Callable[[], bool], timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.05)
 
 
 class Processes:
@@ -96,10 +89,10 @@ def test_sigkill_mid_stage_resumes_from_the_checkpoint(
     processes.start("relay", ["relay"], env)
     slow = {**env, "OUTBOX_DEMO_DURATIONS_MS": json.dumps({rs.DRAFTING: 120_000})}
     first = processes.start("consumer-1", ["consume"], slow)
-    wait_for(lambda: row().status == rs.NEEDS_INPUT)
+    wait_until(lambda: row().status == rs.NEEDS_INPUT, timeout=60, what="the question")
     with engine.begin() as conn:
         store.submit_answer(conn, "r1", "confirm-dates", "yes", "answer-1")
-    wait_for(lambda: lines()["r1 stage drafting"] == 1)
+    wait_until(lambda: lines()["r1 stage drafting"] == 1, timeout=60, what="drafting to start")
 
     first.send_signal(signal.SIGKILL)
     first.wait(timeout=10)
@@ -110,9 +103,9 @@ def test_sigkill_mid_stage_resumes_from_the_checkpoint(
                              check=True, timeout=60)
         return bool(json.loads(out.stdout)["resumed"] == 1)
 
-    wait_for(swept)
+    wait_until(swept, timeout=60, what="the sweep")
     processes.start("consumer-2", ["consume"], env)
-    wait_for(lambda: row().status == rs.COMPLETED)
+    wait_until(lambda: row().status == rs.COMPLETED, timeout=60, what="completion")
 
     stages = {stage: lines()[f"r1 stage {stage}"] for stage in rs.STAGES}
     assert stages == {**dict.fromkeys(rs.STAGES, 1), rs.DRAFTING: 2}
