@@ -22,10 +22,10 @@ import socket
 from typing import Any
 
 import redis
-from sqlalchemy import Engine, exists, or_, select
+from sqlalchemy import Engine
 
 from cli import options
-from producer.runs import AGGREGATE, store_for
+from producer.runs import store_for
 from relay import repair, store
 from shared import db
 from shared import runstate as rs
@@ -33,11 +33,9 @@ from shared.db import now_ms, translate_errors
 from shared.errors import ConflictError, InvalidTransitionError, NotFoundError
 from shared.redaction import redact_url
 from shared.redis_conn import connect_redis
-from shared.schema import outbox, runs
 from shared.settings import CommonSettings
 
 LEASE_TTL_MS = 30_000
-ACTIVE = (rs.QUEUED, *rs.STAGES)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -94,27 +92,6 @@ def check_streams(
     return out
 
 
-def stuck_run_ids(engine: Engine, *, now: int, stuck_after_ms: int, limit: int) -> list[Any]:
-    """``(id, revision, status)`` of active runs with no live lease and no undelivered event."""
-    undelivered = exists().where(
-        outbox.c.aggregate_type == AGGREGATE, outbox.c.aggregate_id == runs.c.id,
-        outbox.c.delivered_at_ms.is_(None),
-    )
-    query = (
-        select(runs.c.id, runs.c.revision, runs.c.status)
-        .where(
-            runs.c.status.in_(ACTIVE),
-            or_(runs.c.lease_expires_at_ms.is_(None), runs.c.lease_expires_at_ms < now),
-            runs.c.updated_at_ms < now - stuck_after_ms,
-            ~undelivered,
-        )
-        .order_by(runs.c.updated_at_ms)
-        .limit(limit)
-    )
-    with translate_errors(), engine.connect() as conn:
-        return list(conn.execute(query).all())
-
-
 def check_runs(
     engine: Engine, settings: CommonSettings, *, dry_run: bool, stuck_after_ms: int, limit: int
 ) -> list[dict[str, Any]]:
@@ -123,9 +100,9 @@ def check_runs(
     run_store = store_for(settings, source="outbox-reconcile")
     max_attempts = rs.RunSettings.model_fields["run_max_attempts"].default
     out = []
-    for run_id, revision, status in stuck_run_ids(
-        engine, now=now, stuck_after_ms=stuck_after_ms, limit=limit
-    ):
+    with translate_errors(), engine.connect() as conn:
+        stuck = run_store.stuck(conn, now=now, stuck_after_ms=stuck_after_ms, limit=limit)
+    for run_id, revision, status in stuck:
         item: dict[str, Any] = {"id": run_id, "revision": revision, "status": status,
                                 "action": None}
         if not dry_run:

@@ -21,7 +21,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import Connection, insert, select, update
+from sqlalchemy import Connection, exists, insert, or_, select, update
 from sqlalchemy.exc import IntegrityError
 
 from producer.enqueue import Producer
@@ -36,7 +36,7 @@ from shared.errors import (
     LeaseLostError,
     NotFoundError,
 )
-from shared.schema import runs
+from shared.schema import outbox, runs
 from shared.settings import CommonSettings
 
 RUNS_STREAM = "runs"
@@ -272,6 +272,28 @@ class RunStore:
             .order_by(runs.c.lease_expires_at_ms).limit(limit)
         )
         return [(r[0], r[1]) for r in rows]
+
+    def stuck(
+        self, conn: Connection, *, now: int, stuck_after_ms: int, limit: int
+    ) -> list[tuple[str, int, str]]:
+        """``(id, revision, status)`` of active runs nothing will wake: no live lease, no
+        undelivered event, unchanged for ``stuck_after_ms`` (``outbox reconcile`` resumes them)."""
+        undelivered = exists().where(
+            outbox.c.aggregate_type == AGGREGATE, outbox.c.aggregate_id == runs.c.id,
+            outbox.c.delivered_at_ms.is_(None),
+        )
+        rows = conn.execute(
+            select(runs.c.id, runs.c.revision, runs.c.status)
+            .where(
+                runs.c.status.in_((rs.QUEUED, *rs.STAGES)),
+                or_(runs.c.lease_expires_at_ms.is_(None), runs.c.lease_expires_at_ms < now),
+                runs.c.updated_at_ms < now - stuck_after_ms,
+                ~undelivered,
+            )
+            .order_by(runs.c.updated_at_ms)
+            .limit(limit)
+        )
+        return [(r.id, r.revision, r.status) for r in rows]
 
     def resume(self, conn: Connection, run_id: str, revision: int, *, max_attempts: int,
                now: int | None = None) -> RunRow:
