@@ -1,8 +1,10 @@
 """Explicit stream entry ids: ``<ms>-<seq>``, strictly increasing per partition.
 
-The relay picks each row's id in its claim transaction, before any ``XADD``. Because Redis
-refuses an explicit id that is not greater than the stream's top entry, a retry of the same row
-can never create a second copy, and a fenced-out relay cannot append behind a newer one.
+A claimed batch's ids are ``<batch ms>-<outbox seq>``: the relay records the batch on its lease
+row in the claim transaction, before any ``XADD`` (so any retry uses the same ids), and writes
+each row's id when it marks the row delivered. Because Redis refuses an explicit id that is not
+greater than the stream's top entry, a retry of the same row can never create a second copy,
+and a fenced-out relay cannot append behind a newer one.
 """
 
 from __future__ import annotations
@@ -21,15 +23,16 @@ def format_id(ms: int, seq: int) -> str:
     return f"{ms}-{seq}"
 
 
-def next_ids(last: str, count: int, now_ms: int) -> list[str]:
-    """``count`` ids, each greater than ``last``, tracking the wall clock when it moves ahead.
+def batch_ms(last: str, now_ms: int) -> int:
+    """The ``ms`` of a new batch's ids ``<ms>-<seq>``: the wall clock, but above ``last``'s.
 
-    A clock that steps back never produces a smaller id: we continue from ``last``.
+    Every id of the batch is then greater than every id assigned before, whatever its seq (a
+    row committed late, or a retried gap, has a smaller seq than rows already appended). A
+    clock that steps back never produces a smaller id: we continue from ``last``. At most one
+    batch per millisecond and partition, so ids run ahead of the clock only above ~1,000
+    batches/s and catch up when the rate falls.
     """
-    last_ms, last_seq = parse(last)
-    if now_ms > last_ms:
-        return [format_id(now_ms, i) for i in range(count)]
-    return [format_id(last_ms, last_seq + 1 + i) for i in range(count)]
+    return max(now_ms, parse(last)[0] + 1)
 
 
 def greater(a: str, b: str) -> bool:

@@ -21,6 +21,7 @@ from sqlalchemy import (
     bindparam,
     delete,
     func,
+    or_,
     select,
     update,
 )
@@ -49,11 +50,36 @@ class OutboxRow:
     headers: str
     created_at_ms: int
     entry_id: str
+    retry: bool = False  # claimed before (a batch the lease row still records): same id
 
 
-# The columns a claim reads, in OutboxRow's field order (entry_id last).
-_CLAIMED = tuple(outbox.c[f.name] for f in fields(OutboxRow))
+@dataclass(frozen=True)
+class Batch:
+    """A claimed, unsettled batch as its partition's lease row records it.
+
+    Its rows are the partition's undelivered rows with ``first_seq <= seq <= last_seq``; each
+    is appended under ``<ms>-<seq>``. Recording three numbers in the one lease row replaces
+    writing an entry id on every claimed row (a second index-rewriting update of the whole
+    batch), and still lets any retry — this relay's or the next owner's — use the same ids.
+    """
+
+    first_seq: int
+    last_seq: int
+    ms: int
+
+
+# The columns a claim reads, in OutboxRow's field order (up to entry_id). A pending row has an
+# entry_id only if an earlier version of the relay claimed it (ids were written per row then).
+_CLAIMED = tuple(outbox.c[f.name] for f in fields(OutboxRow)[:13])
 _new_row: Callable[..., OutboxRow] = OutboxRow  # positional construction from those columns
+
+
+def _load_batches(text: str) -> list[Batch]:
+    return [Batch(*b) for b in json.loads(text or "[]")]
+
+
+def _dump_batches(batches: list[Batch]) -> str:
+    return json.dumps([[b.first_seq, b.last_seq, b.ms] for b in batches], separators=(",", ":"))
 
 
 def _upsert(conn: Connection) -> Any:
@@ -165,39 +191,43 @@ def _check_lease(
         raise LeaseLostError(f"partition {partition} is no longer ours (epoch {epoch})")
 
 
-def _check_lease_with_work(
-    conn: Connection,
-    partition: int,
-    node_id: str,
-    epoch: int,
-    now: int,
-    ttl_ms: int,
-    pending: tuple[Any, ...],
-) -> str | None:
-    """Fence and extend the lease only if the partition has pending rows; the last entry id.
+def _fence(
+    conn: Connection, partition: int, node_id: str, epoch: int, now: int, ttl_ms: int,
+    *, pending: tuple[Any, ...] | None = None,
+) -> tuple[str, list[Batch]] | None:
+    """Fence and extend our lease in one statement; the lease's last entry id and batches.
 
-    One ``UPDATE … WHERE <lease is ours> AND EXISTS (<pending row>) RETURNING last_entry_id``.
-    An idle partition's claim therefore writes nothing (on SQLite, no WAL commit and fsync
-    competing with producers for the write lock); the lease is still verified by a read, and
-    extended by the relay's periodic :func:`acquire_leases`. Returns None when there is no work.
+    ``UPDATE … WHERE <lease is ours> [AND (<batches recorded> OR EXISTS (<pending row>))]
+    RETURNING last_entry_id, inflight``. With ``pending``, an idle partition's claim writes
+    nothing (on SQLite, no WAL commit and fsync competing with producers for the write lock)
+    and None comes back; the lease is still verified by a read (and extended by the relay's
+    periodic :func:`acquire_leases`). Raises :class:`LeaseLostError` when fenced out.
     """
-    last = conn.execute(
-        update(relay_leases)
-        .where(
-            *_ours(partition, node_id, epoch, now),
-            select(outbox.c.seq).where(*pending).exists(),
+    stmt = update(relay_leases).where(*_ours(partition, node_id, epoch, now))
+    if pending is not None:
+        stmt = stmt.where(
+            or_(relay_leases.c.inflight != "[]", select(outbox.c.seq).where(*pending).exists())
         )
-        .values(expires_at_ms=now + ttl_ms)
-        .returning(relay_leases.c.last_entry_id)
-    ).scalar_one_or_none()
-    if last is not None:
-        return str(last)
-    held = conn.execute(
-        select(relay_leases.c.partition).where(*_ours(partition, node_id, epoch, now))
+    found = conn.execute(
+        stmt.values(expires_at_ms=now + ttl_ms)
+        .returning(relay_leases.c.last_entry_id, relay_leases.c.inflight)
     ).first()
-    if held is None:
+    if found is not None:
+        return str(found[0]), _load_batches(found[1])
+    if pending is None or conn.execute(
+        select(relay_leases.c.partition).where(*_ours(partition, node_id, epoch, now))
+    ).first() is None:
         raise LeaseLostError(f"partition {partition} is no longer ours (epoch {epoch})")
     return None
+
+
+def _pending(partition: int, now: int, after_seq: int | None) -> tuple[Any, ...]:
+    return (
+        outbox.c.partition == partition,
+        outbox.c.delivered_at_ms.is_(None),
+        outbox.c.available_at_ms <= now,
+        outbox.c.seq > (after_seq if after_seq is not None else -1),
+    )
 
 
 def claim(
@@ -211,75 +241,141 @@ def claim(
     *,
     after_seq: int | None = None,
 ) -> list[OutboxRow]:
-    """Claim the next undelivered rows of a partition in ``seq`` order and give each an id.
+    """Claim the next rows of a partition in ``seq`` order, each with its entry id.
 
-    Rows that already carry an entry id (an earlier attempt whose outcome is unknown) keep it,
-    so their retry cannot duplicate. New ids are greater than the last one assigned for this
-    partition, which the lease row remembers. Raises :class:`LeaseLostError` when fenced out.
-    ``after_seq`` skips rows up to that seq: the relay claims the next batch while the previous
-    one (still undelivered) is being appended.
+    Without ``after_seq`` (the start of a relay's round over the partition), batches the lease
+    row still records — claimed by an attempt whose outcome is unknown, this relay's or a
+    previous owner's — come back first, as they are, under their recorded ids
+    (``retry=True``), so their retry cannot duplicate. Otherwise up to ``batch_size`` pending
+    rows are claimed as a new batch whose ids ``<ms>-<seq>`` use an ``ms`` above every id
+    assigned before (the lease row remembers the last one), and the batch is recorded on the
+    lease row. ``after_seq`` skips rows up to that seq: the relay claims the next batch while
+    the previous one (still undelivered) is being appended. Raises :class:`LeaseLostError`
+    when fenced out.
     """
     with translate_errors(), engine.begin() as conn:
         now = max(now, now_ms())  # the lock may have been waited for (SQLite)
-        pending = (
+        pending = _pending(partition, now, after_seq)
+        if after_seq is not None:
+            lease = _fence(conn, partition, node_id, epoch, now, ttl_ms)
+            assert lease is not None
+            return _claim_fresh(conn, partition, epoch, batch_size, pending, *lease)
+        lease = _fence(conn, partition, node_id, epoch, now, ttl_ms, pending=pending)
+        if lease is None:
+            return []
+        last, batches = lease
+        if batches:
+            rows = _recorded_rows(conn, partition, batches, now)
+            if rows:
+                return rows
+            batches = []  # their rows are gone: nothing left to retry
+        return _claim_fresh(conn, partition, epoch, batch_size, pending, last, batches,
+                            force_write=True)
+
+
+def _recorded_rows(
+    conn: Connection, partition: int, batches: list[Batch], now: int
+) -> list[OutboxRow]:
+    """The undelivered rows of the recorded batches, in id order, under their recorded ids."""
+    rows = conn.execute(
+        select(*_CLAIMED)
+        .where(
             outbox.c.partition == partition,
             outbox.c.delivered_at_ms.is_(None),
             outbox.c.available_at_ms <= now,
-            outbox.c.seq > (after_seq if after_seq is not None else -1),
+            or_(*(outbox.c.seq.between(b.first_seq, b.last_seq) for b in batches)),
         )
-        last = _check_lease_with_work(conn, partition, node_id, epoch, now, ttl_ms, pending)
-        if last is None:
-            return []
-        rows = conn.execute(
-            select(*_CLAIMED).where(*pending).order_by(outbox.c.seq).limit(batch_size)
-        ).all()
-        fresh = [r[0] for r in rows if r[12] is None]
-        if fresh:
-            ids = entry_ids.next_ids(last, len(fresh), now)
-            assigned = dict(zip(fresh, ids, strict=True))
-            _set_entry_ids(conn, list(assigned.items()), {}, undelivered_only=False)
-            conn.execute(
-                update(relay_leases)
-                .where(relay_leases.c.partition == partition, relay_leases.c.epoch == epoch)
-                .values(last_entry_id=ids[-1])
-            )
-        else:
-            assigned = {}
-        # Positional: the columns are selected in OutboxRow's field order (cheaper than names).
-        return [_new_row(*r[:12], assigned.get(r[0], r[12])) for r in rows]
+        .order_by(outbox.c.seq)
+    ).all()
+    out = []
+    for r in rows:
+        ms = next(b.ms for b in batches if b.first_seq <= r[0] <= b.last_seq)
+        out.append(_new_row(*r[:12], r[12] or entry_ids.format_id(ms, r[0]), True))
+    return _by_id(out)
 
 
-def _set_entry_ids(
-    conn: Connection,
-    pairs: list[tuple[int, str]],
-    values: dict[str, Any],
-    *,
-    undelivered_only: bool,
-) -> None:
-    """Set ``entry_id`` per ``(seq, entry_id)`` pair, plus ``values`` on every such row.
+def _by_id(rows: list[OutboxRow]) -> list[OutboxRow]:
+    """Rows in entry id order: the order their ``XADD`` must follow.
 
-    One statement with constant SQL, so it is compiled once, whatever the batch size (a
-    row-by-row executemany cost more than the rest of the claim): PostgreSQL joins
-    ``unnest(:seqs, :ids)``, SQLite joins ``json_each(:pairs)``.
+    Only differs from seq order when a row carries an id an earlier version of the relay
+    wrote when it claimed the row (ids were written per row then): those are below every
+    batch id, so they go first, keeping the batch's ids increasing.
     """
+    return sorted(rows, key=lambda r: entry_ids.parse(r.entry_id))
+
+
+def _claim_fresh(
+    conn: Connection,
+    partition: int,
+    epoch: int,
+    batch_size: int,
+    pending: tuple[Any, ...],
+    last: str,
+    batches: list[Batch],
+    *,
+    force_write: bool = False,
+) -> list[OutboxRow]:
+    """Select a new batch after the recorded ones and record it (one lease-row write)."""
+    rows = conn.execute(
+        select(*_CLAIMED).where(*pending).order_by(outbox.c.seq).limit(batch_size)
+    ).all() if batch_size > 0 else []
+    new_last = last
+    if rows:
+        batch = Batch(rows[0][0], rows[-1][0], entry_ids.batch_ms(last, now_ms()))
+        batches = [*batches, batch]
+        new_last = entry_ids.format_id(batch.ms, batch.last_seq)
+    if rows or force_write:
+        _record(conn, partition, epoch, batches, new_last)
+    if not rows:
+        return []
+    ms = batches[-1].ms
+    out, legacy = [], False
+    for r in rows:  # positional: the columns are selected in OutboxRow's field order
+        if r[12] is None:
+            out.append(_new_row(*r[:12], f"{ms}-{r[0]}"))
+        else:
+            legacy = True
+            out.append(_new_row(*r[:12], r[12], True))
+    return _by_id(out) if legacy else out
+
+
+def _record(
+    conn: Connection, partition: int, epoch: int, batches: list[Batch], last: str
+) -> None:
+    conn.execute(
+        update(relay_leases)
+        .where(relay_leases.c.partition == partition, relay_leases.c.epoch == epoch)
+        .values(inflight=_dump_batches(batches), last_entry_id=last)
+    )
+
+
+def _mark_delivered(conn: Connection, pairs: list[tuple[int, str]], now: int) -> None:
+    """Mark ``(seq, entry_id)`` rows delivered under that id, in one statement.
+
+    Constant SQL, so it is compiled once whatever the batch size (a row-by-row executemany
+    cost more than the rest of the settle): PostgreSQL joins ``unnest(:seqs, :ids)``, SQLite
+    joins ``json_each(:pairs)``. Only still-undelivered rows change.
+    """
+    done = {"delivered_at_ms": now, "attempts": outbox.c.attempts + 1, "last_error": None}
     if not is_postgres(conn):
         pairs_json = func.json_each(bindparam("b_pairs")).table_valued("value", name="given")
         seq = func.json_extract(pairs_json.c.value, "$[0]")
-        stmt = update(outbox).where(outbox.c.seq == seq)
-        if undelivered_only:
-            stmt = stmt.where(outbox.c.delivered_at_ms.is_(None))
         entry_id = func.json_extract(pairs_json.c.value, "$[1]")
-        conn.execute(stmt.values(entry_id=entry_id, **values), {"b_pairs": json.dumps(pairs)})
+        conn.execute(
+            update(outbox)
+            .where(outbox.c.seq == seq, outbox.c.delivered_at_ms.is_(None))
+            .values(entry_id=entry_id, **done),
+            {"b_pairs": json.dumps(pairs)},
+        )
         return
     given = func.unnest(
         bindparam("b_seqs", type_=postgresql.ARRAY(BigInteger)),
         bindparam("b_ids", type_=postgresql.ARRAY(String)),
     ).table_valued("seq", "entry_id", name="given").render_derived()
-    stmt = update(outbox).where(outbox.c.seq == given.c.seq)
-    if undelivered_only:
-        stmt = stmt.where(outbox.c.delivered_at_ms.is_(None))
     conn.execute(
-        stmt.values(entry_id=given.c.entry_id, **values),
+        update(outbox)
+        .where(outbox.c.seq == given.c.seq, outbox.c.delivered_at_ms.is_(None))
+        .values(entry_id=given.c.entry_id, **done),
         {"b_seqs": [s for s, _ in pairs], "b_ids": [e for _, e in pairs]},
     )
 
@@ -305,22 +401,30 @@ def settle(
     gaps: list[int],
     failed: list[tuple[int, str]],
     stream_top: str | None = None,
-) -> None:
+    claim_after: int | None = None,
+    batch_size: int = 0,
+) -> list[OutboxRow]:
     """Record what Redis said, in one transaction, only while our epoch is current.
 
-    ``delivered``: ``(seq, entry_id)`` Redis holds. ``gaps``: rows whose id fell behind the
-    stream's top without being there: they get a fresh id at the next claim, above
-    ``stream_top`` (the stream's last generated id), so the retry cannot fall behind again.
-    ``failed``: ``(seq, error code)`` to retry later.
+    ``delivered``: ``(seq, entry_id)`` Redis holds; they are marked under that id. ``gaps``:
+    rows whose id fell behind the stream's top without being there, and ``failed``:
+    ``(seq, error code)`` Redis refused; both stay pending and are claimed again in a later
+    batch, under new ids above every id so far (``stream_top``, the stream's last generated
+    id behind a gap, raises that floor). The settled batch's record leaves the lease row.
+
+    With ``claim_after``, the same transaction also claims the next batch after that seq (as
+    :func:`claim` does) and returns it: the relay's steady state is one transaction per batch.
     """
+    settled = [s for s, _ in delivered] + gaps + [s for s, _ in failed]
     with translate_errors(), engine.begin() as conn:
         now = max(now, now_ms())  # the lock may have been waited for (SQLite)
-        _check_lease(conn, partition, node_id, epoch, now, ttl_ms)
-        if stream_top is not None:
-            _raise_last_entry_id(conn, partition, epoch, stream_top)
+        lease = _fence(conn, partition, node_id, epoch, now, ttl_ms)
+        assert lease is not None
+        last, batches = lease
+        if stream_top is not None and entry_ids.greater(stream_top, last):
+            last = stream_top
         if delivered:
-            done = {"delivered_at_ms": now, "attempts": outbox.c.attempts + 1, "last_error": None}
-            _set_entry_ids(conn, delivered, done, undelivered_only=True)
+            _mark_delivered(conn, delivered, now)
         if gaps:
             conn.execute(
                 update(outbox)
@@ -334,18 +438,14 @@ def settle(
                 .values(attempts=outbox.c.attempts + 1, last_error=bindparam("b_error")),
                 [{"b_seq": s, "b_error": c} for s, c in failed],
             )
-
-
-def _raise_last_entry_id(conn: Connection, partition: int, epoch: int, top: str) -> None:
-    last = conn.execute(
-        select(relay_leases.c.last_entry_id).where(relay_leases.c.partition == partition)
-    ).scalar_one()
-    if entry_ids.greater(top, last):
-        conn.execute(
-            update(relay_leases)
-            .where(relay_leases.c.partition == partition, relay_leases.c.epoch == epoch)
-            .values(last_entry_id=top)
-        )
+        through = max(settled, default=-1)
+        batches = [b for b in batches if b.first_seq > through]
+        if claim_after is None:
+            _record(conn, partition, epoch, batches, last)
+            return []
+        pending = _pending(partition, now, claim_after)
+        return _claim_fresh(conn, partition, epoch, batch_size, pending, last, batches,
+                            force_write=True)
 
 
 def record_unknown(engine: Engine, seqs: list[int], code: str) -> None:

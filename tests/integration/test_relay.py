@@ -24,7 +24,7 @@ from shared.db import now_ms
 from shared.envelope import Event
 from shared.errors import LeaseLostError, UnavailableError
 from shared.redis_conn import connect_redis
-from shared.schema import relay_leases, relay_nodes
+from shared.schema import outbox, relay_leases, relay_nodes
 from tests.conftest import REDIS_URL
 from tests.helpers import (
     PARTITIONS,
@@ -253,6 +253,37 @@ def test_timeout_with_unknown_outcome_causes_no_duplicate(
     assert {r.attempts for r in outbox_rows(engine)} == {2}
 
 
+@pytest.mark.parametrize("lost", [1, 2, 3])
+def test_lost_reply_in_the_pipelined_chain_causes_no_duplicate(
+    engine: Engine, redis_client: redis.Redis, key_prefix: str, lost: int
+) -> None:
+    """Batches of 5 chain (claim of the next overlapping the current append, settle of one
+    claiming the one after); the ``lost``-th pipeline's reply is lost while others are claimed
+    and recorded: every recorded batch is retried under its ids, in order, exactly once."""
+    ids = enqueue_events(engine, 40, aggregates=1)
+    client = cast(redis.Redis, LostReply(redis_client, n=0))
+    relay = Relay(relay_settings(key_prefix, batch_size=5), engine, client)
+    real_pipeline = client.pipeline
+    calls = 0
+
+    def pipeline(transaction: bool = True) -> Any:
+        nonlocal calls
+        calls += 1
+        cast(LostReply, client).remaining = 1 if calls == lost else 0
+        return real_pipeline(transaction=transaction)
+
+    client.pipeline = pipeline  # type: ignore[method-assign]
+    with pytest.raises(UnavailableError):
+        relay.run_once()
+    assert undelivered(engine) > 0
+    stats = relay.run(until_idle=True)
+    assert stats.unknown_outcomes == 5 and stats.already_present >= 5
+    assert_each_once(redis_client, key_prefix, ids)
+    assert_all_marked(engine, redis_client, key_prefix)
+    order = [f["id"] for _p, _id, f in stream_entries(redis_client, key_prefix)]
+    assert order == ids  # one aggregate, one partition: the stream keeps the commit order
+
+
 def test_stalled_redis_timeout_causes_no_duplicate(
     engine: Engine, key_prefix: str, tmp_path: Path
 ) -> None:
@@ -335,21 +366,70 @@ def test_ordering_gap_is_republished_at_the_top_once(
     leases = store.acquire_leases(engine, "a", PARTITIONS, TTL, now_ms())
     first, middle, last = store.claim(engine, partition, "a", leases[partition], 100, TTL,
                                       now_ms())
-    # The middle XADD failed (say OOM) while its neighbours landed: the top moved past it.
-    verdicts = append.append(redis_client, key_prefix, [first, last])
-    store.settle(engine, partition, "a", leases[partition], TTL, now_ms(),
-                 delivered=verdicts.delivered, gaps=[], failed=[(middle.seq, "redis_oom")])
+    # The middle XADD failed (say OOM) while its neighbours landed, and the relay died before
+    # it settled: the retry of the recorded batch finds the top past the middle's id.
+    append.append(redis_client, key_prefix, [first, last])
+    let_die(engine, "a")
 
-    stats = Relay(relay_settings(key_prefix, node_id="a"), engine, redis_client).run(
+    stats = Relay(relay_settings(key_prefix, node_id="b"), engine, redis_client).run(
         until_idle=True
     )
-    assert stats.ordering_gaps == 1 and stats.delivered == 1
+    assert stats.ordering_gaps == 1 and stats.already_present == 2 and stats.delivered == 3
     assert_each_once(redis_client, key_prefix, ids)
     assert_all_marked(engine, redis_client, key_prefix)
     order = [f["id"] for _p, _id, f in stream_entries(redis_client, key_prefix)]
     assert order == [first.event_id, last.event_id, middle.event_id]
     republished = next(r for r in outbox_rows(engine) if r.seq == middle.seq)
     assert republished.entry_id != middle.entry_id and republished.last_error is None
+    assert append.entry_ids.greater(republished.entry_id, last.entry_id)
+
+
+def test_rows_claimed_by_an_earlier_version_are_retried_under_their_own_ids(
+    engine: Engine, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    """Before the 0002 migration the relay wrote each claimed row's id on the row; a row left
+    so (appended, never marked) must be retried under that id, ahead of newer rows."""
+    ids = enqueue_events(engine, 4, aggregates=1)
+    partition = partition_of("agg-0")
+    rows = sorted(outbox_rows(engine), key=lambda r: r.seq)
+    old_ms = now_ms() - 60_000
+    with engine.begin() as conn:
+        for k, row in enumerate(rows[:2]):  # claimed by the old relay, under "<ms>-<k>"
+            conn.execute(update(outbox).where(outbox.c.seq == row.seq)
+                         .values(entry_id=f"{old_ms}-{k}"))
+    key = keys.stream_key(key_prefix, STREAM, partition)
+    redis_client.xadd(key, {"id": ids[1]}, id=f"{old_ms}-1")  # the old relay's XADD landed
+
+    stats = Relay(relay_settings(key_prefix), engine, redis_client).run(until_idle=True)
+    assert stats.already_present == 1 and stats.delivered == 4 and stats.ordering_gaps == 1
+    assert_each_once(redis_client, key_prefix, ids)
+    assert_all_marked(engine, redis_client, key_prefix)
+    marked = {r.seq: r.entry_id for r in outbox_rows(engine)}
+    assert marked[rows[1].seq] == f"{old_ms}-1"
+
+
+def test_refused_append_is_retried_under_a_new_id_above_the_top(
+    engine: Engine, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    ids = enqueue_events(engine, 3, aggregates=1)
+    partition = partition_of("agg-0")
+    leases = store.acquire_leases(engine, "a", PARTITIONS, TTL, now_ms())
+    first, middle, last = store.claim(engine, partition, "a", leases[partition], 100, TTL,
+                                      now_ms())
+    # Redis refused the middle XADD (it certainly did not land) and the batch was settled.
+    verdicts = append.append(redis_client, key_prefix, [first, last])
+    store.settle(engine, partition, "a", leases[partition], TTL, now_ms(),
+                 delivered=verdicts.delivered, gaps=[], failed=[(middle.seq, "redis_oom")])
+    assert next(r for r in outbox_rows(engine) if r.seq == middle.seq).last_error == "redis_oom"
+
+    stats = Relay(relay_settings(key_prefix, node_id="a"), engine, redis_client).run(
+        until_idle=True
+    )
+    assert stats.ordering_gaps == 0 and stats.delivered == 1  # a fresh id: no gap round trip
+    assert_each_once(redis_client, key_prefix, ids)
+    assert_all_marked(engine, redis_client, key_prefix)
+    order = [f["id"] for _p, _id, f in stream_entries(redis_client, key_prefix)]
+    assert order == [first.event_id, last.event_id, middle.event_id]
 
 
 def test_gap_behind_a_foreign_top_far_ahead_is_republished_once_above_it(
