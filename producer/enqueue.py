@@ -13,12 +13,13 @@ import json
 import re
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
-from sqlalchemy import Connection, Executable, String, bindparam, func, select
+from sqlalchemy import ClauseElement, Connection, Dialect, String, bindparam, func, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 from sqlalchemy.orm import Session
+from sqlalchemy.sql.compiler import SQLCompiler
 
 from shared import faults, keys
 from shared.db import now_ms
@@ -60,7 +61,8 @@ class Producer:
         connection = conn.connection() if isinstance(conn, Session) else conn
         postgres = connection.dialect.name == "postgresql"
         event_id, params = self.build(postgres=postgres, **event)
-        if connection.execute(_insert_statement(postgres), params).first() is None:
+        sql, args = _driver_call(connection.dialect, params)
+        if connection.exec_driver_sql(sql, args).first() is None:
             raise DuplicateEventError(f"event {event_id!r} was already enqueued")
         faults.point("producer.before_commit")
         return event_id
@@ -70,7 +72,8 @@ class Producer:
         connection = await conn.connection() if isinstance(conn, AsyncSession) else conn
         postgres = connection.dialect.name == "postgresql"
         event_id, params = self.build(postgres=postgres, **event)
-        if (await connection.execute(_insert_statement(postgres), params)).first() is None:
+        sql, args = _driver_call(connection.dialect, params)
+        if (await connection.exec_driver_sql(sql, args)).first() is None:
             raise DuplicateEventError(f"event {event_id!r} was already enqueued")
         return event_id
 
@@ -92,7 +95,7 @@ class Producer:
 
         The id is ``event_id`` if given, else deterministic when aggregate id and revision are
         given, else a random UUID (then only the caller can deduplicate). The statement itself
-        is built once per dialect (:func:`_insert_statement`): only the parameters change.
+        is compiled once per driver (:func:`_driver_call`): only the parameters change.
         """
         row = self._row(
             type=type,
@@ -170,12 +173,32 @@ _COLUMNS = (
 )
 
 
+def _driver_call(dialect: Dialect, params: dict[str, Any]) -> tuple[str, Any]:
+    """The insert's SQL for this driver and its parameters in the driver's own style."""
+    sql, order = _compiled(dialect.name, dialect.driver, dialect)
+    if order is None:
+        return sql, params
+    return sql, tuple(params[name] for name in order)
+
+
 @functools.cache
-def _insert_statement(postgres: bool) -> Executable:
-    """``INSERT … ON CONFLICT (event_id) DO NOTHING RETURNING seq`` with bind parameters, built
-    once per dialect so that an enqueue pays neither construction nor a compile-cache lookup of
-    a fresh construct. On PostgreSQL the insert is a CTE selected together with ``pg_notify``
-    (queued in the transaction, delivered only on commit), still one round trip."""
+def _compiled(name: str, driver: str, dialect: Dialect) -> tuple[str, tuple[str, ...] | None]:
+    """:func:`_insert_statement` compiled once per (dialect, driver): SQL text and, for a
+    positional paramstyle, the parameter names in order.
+
+    SQLAlchemy cannot cache the compiled form of an ``INSERT`` inside a CTE (the statement
+    has no cache key), so ``connection.execute`` compiled it on every enqueue: half of the
+    producer's added cost (bench/PERFORMANCE.md). ``exec_driver_sql`` sends the text as is.
+    """
+    compiled = cast(SQLCompiler, _insert_statement(name == "postgresql").compile(dialect=dialect))
+    order = tuple(compiled.positiontup or ()) if compiled.positional else None
+    return compiled.string, order
+
+
+def _insert_statement(postgres: bool) -> ClauseElement:
+    """``INSERT … ON CONFLICT (event_id) DO NOTHING RETURNING seq`` with bind parameters. On
+    PostgreSQL the insert is a CTE selected together with ``pg_notify`` (queued in the
+    transaction, delivered only on commit), still one round trip."""
     values = {name: bindparam(name, type_=outbox.c[name].type) for name in _COLUMNS}
     if not postgres:
         return (
