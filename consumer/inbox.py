@@ -22,6 +22,7 @@ from sqlalchemy import (
     any_,
     bindparam,
     cast,
+    column,
     exc,
     func,
     select,
@@ -255,7 +256,7 @@ def _write(conn: Connection, group: str, outcomes: list[Outcome]) -> None:
         if o.outcome in (APPLIED, STALE, DEAD)
     ]
     if receipts:
-        conn.execute(inbox.insert(), receipts)
+        _insert_receipts(conn, receipts)
     duplicates = [o.delivery.event.id for o in outcomes if o.outcome == DUPLICATE]
     if duplicates:
         conn.execute(
@@ -279,17 +280,78 @@ def _applied_heads(outcomes: Iterable[Outcome]) -> dict[tuple[str, str], int]:
     return best
 
 
-def _upsert_heads(conn: Connection, group: str, heads: dict[tuple[str, str], int]) -> None:
-    ins = (postgresql.insert if is_postgres(conn) else sqlite.insert)(inbox_heads)
-    stmt = ins.on_conflict_do_update(
-        index_elements=["group_name", "aggregate_type", "aggregate_id"],
-        set_={"revision": ins.excluded.revision},
-        where=inbox_heads.c.revision < ins.excluded.revision,
+# Receipt columns that vary within a batch (group and time are the same for all of it).
+_RECEIPT_COLUMNS = (
+    "event_id", "event_type", "aggregate_type", "aggregate_id", "revision", "stream_key",
+    "entry_id", "outcome", "reason",
+)
+
+
+def _json_rows(name: str, columns: Iterable[Any]) -> Any:
+    """``json_to_recordset(:name) AS given(<columns with types>)`` (PostgreSQL)."""
+    return (
+        func.json_to_recordset(bindparam(name, type_=postgresql.JSON))
+        .table_valued(*columns)
+        .render_derived(name="given", with_types=True)
+    )
+
+
+def _insert_receipts(conn: Connection, receipts: list[dict[str, Any]]) -> None:
+    """Insert a batch's receipts: one statement on PostgreSQL, ``executemany`` on SQLite.
+
+    On PostgreSQL ``INSERT … SELECT … FROM json_to_recordset(:rows)``: one JSON parameter
+    (serialized by ``json.dumps``, parsed by the server, both in C), where psycopg's
+    ``executemany`` sent one pipelined statement per row (a third of a claim's time) and
+    array parameters were quoted element by element in Python. SQLite's ``executemany``
+    already loops in C.
+    """
+    if not is_postgres(conn):
+        conn.execute(inbox.insert(), receipts)
+        return
+    given = _json_rows("b_rows", (inbox.c[name]._copy() for name in _RECEIPT_COLUMNS))
+    rows = select(
+        bindparam("b_group", type_=String), *(given.c[name] for name in _RECEIPT_COLUMNS),
+        bindparam("b_now", type_=BigInteger),
     )
     conn.execute(
-        stmt,
-        [
-            {"group_name": group, "aggregate_type": t, "aggregate_id": i, "revision": r}
-            for (t, i), r in sorted(heads.items())
-        ],
+        inbox.insert().from_select(["group_name", *_RECEIPT_COLUMNS, "created_at_ms"], rows),
+        {
+            "b_rows": [{k: r[k] for k in _RECEIPT_COLUMNS} for r in receipts],
+            "b_group": receipts[0]["group_name"],
+            "b_now": receipts[0]["created_at_ms"],
+        },
+    )
+
+
+def _upsert_heads(conn: Connection, group: str, heads: dict[tuple[str, str], int]) -> None:
+    """Raise each aggregate's applied revision (never lower it); keys are distinct."""
+    ordered = sorted(heads.items())
+    if not is_postgres(conn):
+        upsert = sqlite.insert(inbox_heads)
+        conn.execute(
+            upsert.on_conflict_do_update(
+                index_elements=["group_name", "aggregate_type", "aggregate_id"],
+                set_={"revision": upsert.excluded.revision},
+                where=inbox_heads.c.revision < upsert.excluded.revision,
+            ),
+            [
+                {"group_name": group, "aggregate_type": t, "aggregate_id": i, "revision": r}
+                for (t, i), r in ordered
+            ],
+        )
+        return
+    given = _json_rows("b_heads", (column("t", String), column("i", String),
+                                   column("r", BigInteger)))
+    ins = postgresql.insert(inbox_heads).from_select(
+        ["group_name", "aggregate_type", "aggregate_id", "revision"],
+        select(bindparam("b_group", type_=String), given.c.t, given.c.i, given.c.r),
+    )
+    conn.execute(
+        ins.on_conflict_do_update(
+            index_elements=["group_name", "aggregate_type", "aggregate_id"],
+            set_={"revision": ins.excluded.revision},
+            where=inbox_heads.c.revision < ins.excluded.revision,
+        ),
+        {"b_group": group,
+         "b_heads": [{"t": t, "i": i, "r": r} for (t, i), r in ordered]},
     )
