@@ -19,6 +19,7 @@ from sqlalchemy import (
     Engine,
     String,
     bindparam,
+    column,
     delete,
     func,
     or_,
@@ -353,8 +354,9 @@ def _mark_delivered(conn: Connection, pairs: list[tuple[int, str]], now: int) ->
     """Mark ``(seq, entry_id)`` rows delivered under that id, in one statement.
 
     Constant SQL, so it is compiled once whatever the batch size (a row-by-row executemany
-    cost more than the rest of the settle): PostgreSQL joins ``unnest(:seqs, :ids)``, SQLite
-    joins ``json_each(:pairs)``. Only still-undelivered rows change.
+    cost more than the rest of the settle): PostgreSQL joins ``json_to_recordset(:pairs)``,
+    SQLite ``json_each(:pairs)`` (one JSON parameter: array parameters were quoted element by
+    element in Python). Only still-undelivered rows change.
     """
     done = {"delivered_at_ms": now, "attempts": outbox.c.attempts + 1, "last_error": None}
     if not is_postgres(conn):
@@ -368,15 +370,16 @@ def _mark_delivered(conn: Connection, pairs: list[tuple[int, str]], now: int) ->
             {"b_pairs": json.dumps(pairs)},
         )
         return
-    given = func.unnest(
-        bindparam("b_seqs", type_=postgresql.ARRAY(BigInteger)),
-        bindparam("b_ids", type_=postgresql.ARRAY(String)),
-    ).table_valued("seq", "entry_id", name="given").render_derived()
+    given = (
+        func.json_to_recordset(bindparam("b_pairs", type_=postgresql.JSON))
+        .table_valued(column("seq", BigInteger), column("entry_id", String))
+        .render_derived(name="given", with_types=True)
+    )
     conn.execute(
         update(outbox)
         .where(outbox.c.seq == given.c.seq, outbox.c.delivered_at_ms.is_(None))
         .values(entry_id=given.c.entry_id, **done),
-        {"b_seqs": [s for s, _ in pairs], "b_ids": [e for _, e in pairs]},
+        {"b_pairs": [{"seq": s, "entry_id": e} for s, e in pairs]},
     )
 
 
