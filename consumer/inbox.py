@@ -32,7 +32,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects import postgresql, sqlite
 
 from consumer.handlers import Handlers
-from shared.db import is_postgres, now_ms, translate_errors
+from shared.db import is_postgres, json_recordset, now_ms, translate_errors
 from shared.envelope import Event
 from shared.schema import inbox, inbox_heads
 
@@ -287,28 +287,19 @@ _RECEIPT_COLUMNS = (
 )
 
 
-def _json_rows(name: str, columns: Iterable[Any]) -> Any:
-    """``json_to_recordset(:name) AS given(<columns with types>)`` (PostgreSQL)."""
-    return (
-        func.json_to_recordset(bindparam(name, type_=postgresql.JSON))
-        .table_valued(*columns)
-        .render_derived(name="given", with_types=True)
-    )
-
-
 def _insert_receipts(conn: Connection, receipts: list[dict[str, Any]]) -> None:
     """Insert a batch's receipts: one statement on PostgreSQL, ``executemany`` on SQLite.
 
-    On PostgreSQL ``INSERT … SELECT … FROM json_to_recordset(:rows)``: one JSON parameter
-    (serialized by ``json.dumps``, parsed by the server, both in C), where psycopg's
-    ``executemany`` sent one pipelined statement per row (a third of a claim's time) and
-    array parameters were quoted element by element in Python. SQLite's ``executemany``
-    already loops in C.
+    On PostgreSQL ``INSERT … SELECT … FROM json_to_recordset(:rows)``
+    (:func:`shared.db.json_recordset`), where psycopg's ``executemany`` sent one pipelined
+    statement per row (a third of a claim's time). SQLite's ``executemany`` loops in C.
     """
     if not is_postgres(conn):
         conn.execute(inbox.insert(), receipts)
         return
-    given = _json_rows("b_rows", (inbox.c[name]._copy() for name in _RECEIPT_COLUMNS))
+    given = json_recordset(
+        "b_rows", *(column(name, inbox.c[name].type) for name in _RECEIPT_COLUMNS)
+    )
     rows = select(
         bindparam("b_group", type_=String), *(given.c[name] for name in _RECEIPT_COLUMNS),
         bindparam("b_now", type_=BigInteger),
@@ -340,8 +331,9 @@ def _upsert_heads(conn: Connection, group: str, heads: dict[tuple[str, str], int
             ],
         )
         return
-    given = _json_rows("b_heads", (column("t", String), column("i", String),
-                                   column("r", BigInteger)))
+    given = json_recordset(
+        "b_heads", column("t", String), column("i", String), column("r", BigInteger)
+    )
     ins = postgresql.insert(inbox_heads).from_select(
         ["group_name", "aggregate_type", "aggregate_id", "revision"],
         select(bindparam("b_group", type_=String), given.c.t, given.c.i, given.c.r),

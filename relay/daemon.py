@@ -3,9 +3,9 @@
 One round per owned partition: :func:`relay.store.claim` (one short transaction) →
 :func:`relay.append.append` (one pipeline, no transaction open) → optional durability barrier →
 :func:`relay.store.settle` (one short transaction, fenced by the lease epoch, which also claims
-the batch after the one in flight). Failures of Redis
-or the database back off exponentially with jitter; nothing is marked while the outcome is
-unknown. ``SIGTERM``/``SIGINT`` let the in-flight round finish, release the leases, exit 0.
+the batch after the one in flight). Failures of Redis or the database back off exponentially
+with jitter; nothing is marked while the outcome is unknown. ``SIGTERM``/``SIGINT`` let the
+in-flight round finish, release the leases, exit 0.
 """
 
 from __future__ import annotations
@@ -223,7 +223,9 @@ class Relay:
             verdicts, confirmed = flight.result()
         except UnavailableError:
             self.stats.unknown_outcomes += len(rows)
-            store.record_unknown(self.engine, [r.seq for r in rows], "unknown_outcome")
+            store.record_unknown(
+                self.engine, rows[0].partition, [r.seq for r in rows], "unknown_outcome"
+            )
             raise
         if not confirmed:
             log.warning("durability barrier not met; %d entries stay unmarked", len(rows))

@@ -29,7 +29,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects import postgresql, sqlite
 
 from relay import entry_ids
-from shared.db import is_postgres, now_ms, translate_errors
+from shared.db import is_postgres, json_recordset, now_ms, translate_errors
 from shared.errors import LeaseLostError
 from shared.schema import outbox, relay_leases, relay_nodes
 
@@ -207,7 +207,7 @@ def _fence(
     stmt = update(relay_leases).where(*_ours(partition, node_id, epoch, now))
     if pending is not None:
         stmt = stmt.where(
-            or_(relay_leases.c.inflight != "[]", select(outbox.c.seq).where(*pending).exists())
+            or_(relay_leases.c.inflight != "[]", _first_pending(pending).is_not(None))
         )
     found = conn.execute(
         stmt.values(expires_at_ms=now + ttl_ms)
@@ -223,12 +223,39 @@ def _fence(
 
 
 def _pending(partition: int, now: int, after_seq: int | None) -> tuple[Any, ...]:
+    """The claimable rows of a partition, in a form only the pending index serves in order.
+
+    ``partition BETWEEN p AND p`` rather than ``partition = p``, with ``ORDER BY partition,
+    seq`` (:data:`_IN_ORDER`): with an equality, PostgreSQL may walk the primary key in seq
+    order and filter, expecting claimable rows to be spread evenly; they all come after the
+    delivered ones, so that plan read every delivered row before finding a batch (250 ms per
+    claim over 400,000 rows, measured with ``EXPLAIN ANALYZE``; 30 ms with the partial index,
+    which only grows with its dead entries until VACUUM). A range keeps ``partition`` in the
+    ordering, which only the partial index ``(partition, seq) WHERE delivered_at_ms IS NULL``
+    provides.
+    """
     return (
-        outbox.c.partition == partition,
+        outbox.c.partition.between(partition, partition),
         outbox.c.delivered_at_ms.is_(None),
         outbox.c.available_at_ms <= now,
         outbox.c.seq > (after_seq if after_seq is not None else -1),
     )
+
+
+_IN_ORDER = (outbox.c.partition, outbox.c.seq)
+
+
+def _first_pending(pending: tuple[Any, ...]) -> Any:
+    """The first claimable seq (a scalar subquery, NULL when none), found through the pending
+    index: ``EXISTS`` would be planned as a scan that stops at the first match, which reads
+    every delivered row before the first pending one."""
+    return select(outbox.c.seq).where(*pending).order_by(*_IN_ORDER).limit(1).scalar_subquery()
+
+
+def _undelivered(partition: int) -> tuple[Any, ...]:
+    """A partition's undelivered rows: with the partition given, a lookup by seq is an exact
+    probe of the pending index (without it, PostgreSQL scanned that index whole per row)."""
+    return outbox.c.partition == partition, outbox.c.delivered_at_ms.is_(None)
 
 
 def claim(
@@ -281,12 +308,12 @@ def _recorded_rows(
     rows = conn.execute(
         select(*_CLAIMED)
         .where(
-            outbox.c.partition == partition,
+            outbox.c.partition.between(partition, partition),  # see _pending
             outbox.c.delivered_at_ms.is_(None),
             outbox.c.available_at_ms <= now,
             or_(*(outbox.c.seq.between(b.first_seq, b.last_seq) for b in batches)),
         )
-        .order_by(outbox.c.seq)
+        .order_by(*_IN_ORDER)
     ).all()
     out = []
     for r in rows:
@@ -318,7 +345,7 @@ def _claim_fresh(
 ) -> list[OutboxRow]:
     """Select a new batch after the recorded ones and record it (one lease-row write)."""
     rows = conn.execute(
-        select(*_CLAIMED).where(*pending).order_by(outbox.c.seq).limit(batch_size)
+        select(*_CLAIMED).where(*pending).order_by(*_IN_ORDER).limit(batch_size)
     ).all() if batch_size > 0 else []
     new_last = last
     if rows:
@@ -350,13 +377,15 @@ def _record(
     )
 
 
-def _mark_delivered(conn: Connection, pairs: list[tuple[int, str]], now: int) -> None:
+def _mark_delivered(
+    conn: Connection, partition: int, pairs: list[tuple[int, str]], now: int
+) -> None:
     """Mark ``(seq, entry_id)`` rows delivered under that id, in one statement.
 
     Constant SQL, so it is compiled once whatever the batch size (a row-by-row executemany
-    cost more than the rest of the settle): PostgreSQL joins ``json_to_recordset(:pairs)``,
-    SQLite ``json_each(:pairs)`` (one JSON parameter: array parameters were quoted element by
-    element in Python). Only still-undelivered rows change.
+    cost more than the rest of the settle): PostgreSQL joins ``json_to_recordset(:pairs)``
+    (:func:`shared.db.json_recordset`), SQLite ``json_each(:pairs)``. Only still-undelivered
+    rows change.
     """
     done = {"delivered_at_ms": now, "attempts": outbox.c.attempts + 1, "last_error": None}
     if not is_postgres(conn):
@@ -365,19 +394,15 @@ def _mark_delivered(conn: Connection, pairs: list[tuple[int, str]], now: int) ->
         entry_id = func.json_extract(pairs_json.c.value, "$[1]")
         conn.execute(
             update(outbox)
-            .where(outbox.c.seq == seq, outbox.c.delivered_at_ms.is_(None))
+            .where(*_undelivered(partition), outbox.c.seq == seq)
             .values(entry_id=entry_id, **done),
             {"b_pairs": json.dumps(pairs)},
         )
         return
-    given = (
-        func.json_to_recordset(bindparam("b_pairs", type_=postgresql.JSON))
-        .table_valued(column("seq", BigInteger), column("entry_id", String))
-        .render_derived(name="given", with_types=True)
-    )
+    given = json_recordset("b_pairs", column("seq", BigInteger), column("entry_id", String))
     conn.execute(
         update(outbox)
-        .where(outbox.c.seq == given.c.seq, outbox.c.delivered_at_ms.is_(None))
+        .where(*_undelivered(partition), outbox.c.seq == given.c.seq)
         .values(entry_id=given.c.entry_id, **done),
         {"b_pairs": [{"seq": s, "entry_id": e} for s, e in pairs]},
     )
@@ -427,17 +452,17 @@ def settle(
         if stream_top is not None and entry_ids.greater(stream_top, last):
             last = stream_top
         if delivered:
-            _mark_delivered(conn, delivered, now)
+            _mark_delivered(conn, partition, delivered, now)
         if gaps:
             conn.execute(
                 update(outbox)
-                .where(outbox.c.seq.in_(gaps), outbox.c.delivered_at_ms.is_(None))
+                .where(*_undelivered(partition), outbox.c.seq.in_(gaps))
                 .values(entry_id=None, attempts=outbox.c.attempts + 1, last_error="ordering_gap")
             )
         if failed:
             conn.execute(
                 update(outbox)
-                .where(outbox.c.seq == bindparam("b_seq"))
+                .where(outbox.c.partition == partition, outbox.c.seq == bindparam("b_seq"))
                 .values(attempts=outbox.c.attempts + 1, last_error=bindparam("b_error")),
                 [{"b_seq": s, "b_error": c} for s, c in failed],
             )
@@ -451,12 +476,12 @@ def settle(
                             force_write=True)
 
 
-def record_unknown(engine: Engine, seqs: list[int], code: str) -> None:
+def record_unknown(engine: Engine, partition: int, seqs: list[int], code: str) -> None:
     """Note an attempt whose outcome Redis never told us (the rows keep their entry ids)."""
     with translate_errors(), engine.begin() as conn:
         conn.execute(
             update(outbox)
-            .where(outbox.c.seq.in_(seqs), outbox.c.delivered_at_ms.is_(None))
+            .where(*_undelivered(partition), outbox.c.seq.in_(seqs))
             .values(attempts=outbox.c.attempts + 1, last_error=code)
         )
 

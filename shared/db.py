@@ -18,9 +18,21 @@ from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import Connection, Engine, create_engine, event, exc, inspect
+from sqlalchemy import (
+    ColumnClause,
+    Connection,
+    Engine,
+    bindparam,
+    create_engine,
+    event,
+    exc,
+    func,
+    inspect,
+)
+from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+from sqlalchemy.sql.selectable import TableValuedAlias
 
 from shared.errors import (
     ConfigError,
@@ -130,6 +142,21 @@ def _begin_immediate(conn: Connection) -> None:
 def is_postgres(conn: Connection | Engine) -> bool:
     """True on PostgreSQL (NOTIFY, row locks); False on SQLite."""
     return conn.dialect.name == "postgresql"
+
+
+def json_recordset(name: str, *columns: ColumnClause[Any]) -> TableValuedAlias:
+    """``json_to_recordset(:name) AS given(<columns with types>)`` (PostgreSQL only).
+
+    How a batch's rows reach one set-based statement: the parameter is a list of dicts,
+    serialized by ``json.dumps`` and parsed by the server (both in C). Array parameters were
+    quoted element by element in Python by psycopg, and ``executemany`` sent one statement
+    per row.
+    """
+    return (
+        func.json_to_recordset(bindparam(name, type_=postgresql.JSON))
+        .table_valued(*columns)
+        .render_derived(name="given", with_types=True)
+    )
 
 
 def _alembic_config(conn: Connection) -> Config:
