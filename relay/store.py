@@ -252,10 +252,17 @@ def _first_pending(pending: tuple[Any, ...]) -> Any:
     return select(outbox.c.seq).where(*pending).order_by(*_IN_ORDER).limit(1).scalar_subquery()
 
 
-def _undelivered(partition: int) -> tuple[Any, ...]:
-    """A partition's undelivered rows: with the partition given, a lookup by seq is an exact
-    probe of the pending index (without it, PostgreSQL scanned that index whole per row)."""
-    return outbox.c.partition == partition, outbox.c.delivered_at_ms.is_(None)
+def _undelivered(conn: Connection, partition: int) -> tuple[Any, ...]:
+    """A partition's undelivered rows, for a lookup by seq.
+
+    On PostgreSQL with the partition named, so the lookup is an exact probe of the pending
+    index (without it, PostgreSQL scanned that index whole per row). On SQLite without: a seq
+    is the rowid, an exact probe already, and the partition term made SQLite drive the join
+    from the pending index instead (a scan of the partition's pending rows per row).
+    """
+    if is_postgres(conn):
+        return outbox.c.partition == partition, outbox.c.delivered_at_ms.is_(None)
+    return (outbox.c.delivered_at_ms.is_(None),)
 
 
 def claim(
@@ -394,7 +401,7 @@ def _mark_delivered(
         entry_id = func.json_extract(pairs_json.c.value, "$[1]")
         conn.execute(
             update(outbox)
-            .where(*_undelivered(partition), outbox.c.seq == seq)
+            .where(*_undelivered(conn, partition), outbox.c.seq == seq)
             .values(entry_id=entry_id, **done),
             {"b_pairs": json.dumps(pairs)},
         )
@@ -402,7 +409,7 @@ def _mark_delivered(
     given = json_recordset("b_pairs", column("seq", BigInteger), column("entry_id", String))
     conn.execute(
         update(outbox)
-        .where(*_undelivered(partition), outbox.c.seq == given.c.seq)
+        .where(*_undelivered(conn, partition), outbox.c.seq == given.c.seq)
         .values(entry_id=given.c.entry_id, **done),
         {"b_pairs": [{"seq": s, "entry_id": e} for s, e in pairs]},
     )
@@ -456,13 +463,13 @@ def settle(
         if gaps:
             conn.execute(
                 update(outbox)
-                .where(*_undelivered(partition), outbox.c.seq.in_(gaps))
+                .where(*_undelivered(conn, partition), outbox.c.seq.in_(gaps))
                 .values(entry_id=None, attempts=outbox.c.attempts + 1, last_error="ordering_gap")
             )
         if failed:
             conn.execute(
                 update(outbox)
-                .where(outbox.c.partition == partition, outbox.c.seq == bindparam("b_seq"))
+                .where(*_undelivered(conn, partition), outbox.c.seq == bindparam("b_seq"))
                 .values(attempts=outbox.c.attempts + 1, last_error=bindparam("b_error")),
                 [{"b_seq": s, "b_error": c} for s, c in failed],
             )
@@ -481,7 +488,7 @@ def record_unknown(engine: Engine, partition: int, seqs: list[int], code: str) -
     with translate_errors(), engine.begin() as conn:
         conn.execute(
             update(outbox)
-            .where(*_undelivered(partition), outbox.c.seq.in_(seqs))
+            .where(*_undelivered(conn, partition), outbox.c.seq.in_(seqs))
             .values(attempts=outbox.c.attempts + 1, last_error=code)
         )
 
