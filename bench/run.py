@@ -153,7 +153,8 @@ def memory(target: env.Target, cfg: Config) -> dict[str, Any]:
     """RSS of relay and consumer over a steady run; growth is measured after a warm-up."""
     _say(target.kind)(f"memory: {cfg.memory_seconds:.0f} s at {cfg.memory_rate} ev/s")
     every = max(cfg.memory_seconds / 60, 0.5)
-    run = scenarios.pipeline(target, cfg.memory_rate, cfg.memory_seconds, 4, sample_every=every)
+    run = scenarios.pipeline(target, cfg.memory_rate, cfg.memory_seconds, 4, sample_every=every,
+                             record=False)
     procs = {}
     for name, samples in run.rss_kb.items():
         warm_index = max(1, len(samples) // 10)
