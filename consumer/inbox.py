@@ -195,8 +195,8 @@ def _probe(query: Select[Any]) -> Any:
 
     A plain join or ``= ANY(:ids)`` left the plan to the statistics; when they were stale
     (a table that grew since its last ANALYZE: autovacuum lagging, or off) PostgreSQL scanned
-    every receipt of the group per batch (28 ms, and the heads hash join 66 ms, at 200,000
-    rows: the consumer fell behind a steady 1,000 events/s within two minutes). The LIMIT
+    every receipt of the group per batch (28 ms, and the heads hash join 66 ms, for 500 keys
+    at 200,000 rows, measured with ``EXPLAIN ANALYZE``). The LIMIT
     keeps the subquery from being flattened into a join the planner could reorder.
     """
     return query.limit(1).lateral("found")

@@ -358,14 +358,20 @@ def test_fenced_out_relay_cannot_mark_and_its_late_xadd_does_not_duplicate(
     assert_all_marked(engine, redis_client, key_prefix)
 
 
-def test_ordering_gap_is_republished_at_the_top_once(
-    engine: Engine, redis_client: redis.Redis, key_prefix: str
-) -> None:
+def claim_three(engine: Engine) -> tuple[list[str], int, int, list[store.OutboxRow]]:
+    """Enqueue three events of one aggregate and claim them as relay "a": (ids, partition,
+    epoch, rows)."""
     ids = enqueue_events(engine, 3, aggregates=1)
     partition = partition_of("agg-0")
     leases = store.acquire_leases(engine, "a", PARTITIONS, TTL, now_ms())
-    first, middle, last = store.claim(engine, partition, "a", leases[partition], 100, TTL,
-                                      now_ms())
+    rows = store.claim(engine, partition, "a", leases[partition], 100, TTL, now_ms())
+    return ids, partition, leases[partition], rows
+
+
+def test_ordering_gap_is_republished_at_the_top_once(
+    engine: Engine, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    ids, _partition, _epoch, (first, middle, last) = claim_three(engine)
     # The middle XADD failed (say OOM) while its neighbours landed, and the relay died before
     # it settled: the retry of the recorded batch finds the top past the middle's id.
     append.append(redis_client, key_prefix, [first, last])
@@ -411,14 +417,10 @@ def test_rows_claimed_by_an_earlier_version_are_retried_under_their_own_ids(
 def test_refused_append_is_retried_under_a_new_id_above_the_top(
     engine: Engine, redis_client: redis.Redis, key_prefix: str
 ) -> None:
-    ids = enqueue_events(engine, 3, aggregates=1)
-    partition = partition_of("agg-0")
-    leases = store.acquire_leases(engine, "a", PARTITIONS, TTL, now_ms())
-    first, middle, last = store.claim(engine, partition, "a", leases[partition], 100, TTL,
-                                      now_ms())
+    ids, partition, epoch, (first, middle, last) = claim_three(engine)
     # Redis refused the middle XADD (it certainly did not land) and the batch was settled.
     verdicts = append.append(redis_client, key_prefix, [first, last])
-    store.settle(engine, partition, "a", leases[partition], TTL, now_ms(),
+    store.settle(engine, partition, "a", epoch, TTL, now_ms(),
                  delivered=verdicts.delivered, gaps=[], failed=[(middle.seq, "redis_oom")])
     assert next(r for r in outbox_rows(engine) if r.seq == middle.seq).last_error == "redis_oom"
 
