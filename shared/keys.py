@@ -5,6 +5,7 @@ Redis Cluster they live in the same slot. With the default prefix ``outbox`` the
 
     outbox:{runs:0}          the stream of partition 0 of stream "runs"
     outbox:{runs:0}:dead     its dead-letter stream
+    outbox:{runs:0}:fence    the relay fence: the highest lease epoch that wrote to the stream
 
 ``redis-cli`` users: ``XRANGE 'outbox:{runs:0}' - +``, ``XINFO GROUPS 'outbox:{runs:0}'``.
 """
@@ -42,6 +43,13 @@ def stream_key(prefix: str, stream: str, partition: int) -> str:
 def dead_letter_key(prefix: str, stream: str, partition: int) -> str:
     """Key of the dead-letter stream beside ``stream_key`` (same cluster slot)."""
     return f"{stream_key(prefix, stream, partition)}:dead"
+
+
+def fence_key(prefix: str, stream: str, partition: int) -> str:
+    """Key of the relay fence of ``stream_key`` (same cluster slot): a string holding the
+    highest partition lease epoch that appended to (or repaired) that stream. Scripts that write
+    the stream refuse a caller whose epoch is lower (``redis-cli GET 'outbox:{runs:0}:fence'``)."""
+    return f"{stream_key(prefix, stream, partition)}:fence"
 
 
 def parse_stream_key(prefix: str, key: str) -> tuple[str, int] | None:
