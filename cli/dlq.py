@@ -2,8 +2,9 @@
 
 ``list`` and ``show`` only read Redis. ``replay`` also opens the database and loads the group's
 handlers (``--app``, as ``outbox consume`` does) because it runs each letter through the normal
-claim transaction of ``--group`` (see :mod:`consumer.dead_letters` for why it does not re-add
-the entry to the stream). Exit status: 0 when every letter asked for was replayed, 1 when some
+claim transaction of ``--group`` and applies it whatever the aggregate's applied revision (an
+operator decided; see :mod:`consumer.dead_letters`, also for why it does not re-add the entry to
+the stream). Exit status: 0 when every letter asked for was replayed, 1 when some
 stay in the dead-letter stream (each is printed with the reason it stayed).
 """
 
@@ -36,7 +37,7 @@ def add_commands(dlq_parser: argparse.ArgumentParser, leaf: LeafFactory) -> None
               cmd_show)
     sh.add_argument("letter_id", metavar="ID", help="stream:partition:entry-id, as listed")
     sh.add_argument("--json", action="store_true", help="print JSON")
-    rp = leaf(sub, "replay", "run dead letters through the group's claim path again",
+    rp = leaf(sub, "replay", "apply dead letters through the group's claim path",
               ConsumerSettings, cmd_replay)
     which = rp.add_mutually_exclusive_group(required=True)
     which.add_argument("letter_id", metavar="ID", nargs="?", help="the letter to replay")

@@ -69,7 +69,7 @@ def cmd_consume(args: argparse.Namespace) -> int:
     handlers = until_available(lambda: apps.load_handlers(args.app, settings), "start-up",
                                patience)
     client = connect_redis(settings.redis_url, timeout_s=settings.redis_timeout_s)
-    consumer = Consumer(settings, engine, client, handlers)
+    consumer = Consumer(settings, engine, client, handlers, ownership=True)
     consumer.install_signal_handlers()
     consumer.run()
     return 0

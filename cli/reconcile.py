@@ -3,7 +3,8 @@
 1. **Streams**: every ``(stream, partition)`` the outbox delivered to is compared with Redis
    (:func:`relay.repair.compare`). A stream that is behind is repaired under a partition lease
    taken for the purpose; a partition leased by a live relay is left to that relay, which runs
-   the same repair on its own every few seconds.
+   the same repair on its own every few seconds. The lease's epoch fences the repair in Redis
+   (:mod:`relay.fence`): a relay that takes the partition meanwhile stops it unharmed.
 2. **Stuck runs**: active (queued or in a stage), no live execution lease, no undelivered outbox
    event, unchanged for ``--stuck-after-s``. Nothing will ever wake such a run (its event was
    dead-lettered, trimmed, or lost with a broker that had no persistence before the outbox
@@ -30,7 +31,12 @@ from relay import repair, store
 from shared import db
 from shared import runstate as rs
 from shared.db import now_ms, translate_errors
-from shared.errors import ConflictError, InvalidTransitionError, NotFoundError
+from shared.errors import (
+    ConflictError,
+    InvalidTransitionError,
+    LeaseLostError,
+    NotFoundError,
+)
 from shared.redaction import redact_url
 from shared.redis_conn import connect_redis
 from shared.settings import CommonSettings
@@ -84,8 +90,10 @@ def check_streams(
                 item["action"] = "left to the relay holding the partition"
             else:
                 try:
-                    how, n = repair.repair(engine, client, f)
+                    how, n = repair.repair(engine, client, f, epoch=epoch)
                     item["action"], item["repaired_entries"] = how, n
+                except LeaseLostError:
+                    item["action"] = "stopped: a relay took the partition meanwhile"
                 finally:
                     store.release_leases(engine, node, {partition: epoch})
         out.append(item)

@@ -7,15 +7,17 @@ from typing import Any
 import redis
 from sqlalchemy import Engine, func, select
 
+from consumer import ownership
 from shared import keys
 from shared.db import now_ms, translate_errors
 from shared.redis_conn import translate_redis_errors
-from shared.schema import outbox
+from shared.schema import outbox, relay_leases
 
 
 def collect(engine: Engine, client: redis.Redis, prefix: str) -> dict[str, Any]:
-    """Outbox backlog, oldest undelivered age, and per stream: length, groups, pending, lag,
-    dead letters."""
+    """Outbox backlog, oldest undelivered age, per stream: length, groups (pending, lag, the
+    consumer owning the partition stream and its epoch), dead letters; and every relay
+    partition lease and consumer lease (owner ``None`` when free or expired)."""
     with translate_errors(), engine.connect() as conn:
         backlog, oldest = conn.execute(
             select(func.count(), func.min(outbox.c.created_at_ms)).where(
@@ -33,6 +35,14 @@ def collect(engine: Engine, client: redis.Redis, prefix: str) -> dict[str, Any]:
                 .group_by(outbox.c.last_error)
             ).all()
         }
+    consumer_leases = ownership.owners(engine)
+    streams = _streams(client, prefix)
+    owner_of = {(o["group"], o["stream"], o["partition"]): o for o in consumer_leases}
+    for st in streams:
+        for g in st["groups"]:
+            lease = owner_of.get((g["name"], st["stream"], st["partition"]))
+            g["owner"] = lease["owner"] if lease else None
+            g["epoch"] = lease["epoch"] if lease else None
     return {
         "outbox": {
             "undelivered": backlog,
@@ -40,8 +50,26 @@ def collect(engine: Engine, client: redis.Redis, prefix: str) -> dict[str, Any]:
             "oldest_undelivered_age_s": round((now_ms() - oldest) / 1000, 3) if oldest else None,
             "errors": errors,
         },
-        "streams": _streams(client, prefix),
+        "streams": streams,
+        "relay_leases": _relay_leases(engine),
+        "consumer_leases": consumer_leases,
     }
+
+
+def _relay_leases(engine: Engine) -> list[dict[str, Any]]:
+    """Each relay partition's owner (``None`` when free or expired) and fencing epoch."""
+    with translate_errors(), engine.connect() as conn:
+        rows = conn.execute(select(relay_leases.c.partition, relay_leases.c.owner,
+                                   relay_leases.c.epoch, relay_leases.c.expires_at_ms)
+                            .order_by(relay_leases.c.partition)).all()
+    now = now_ms()
+    return [
+        {"partition": r.partition,
+         "owner": r.owner if r.owner is not None and r.expires_at_ms > now else None,
+         "epoch": r.epoch,
+         "expires_in_ms": max(r.expires_at_ms - now, 0) if r.owner is not None else None}
+        for r in rows
+    ]
 
 
 def _streams(client: redis.Redis, prefix: str) -> list[dict[str, Any]]:
@@ -92,4 +120,13 @@ def render(report: dict[str, Any]) -> str:
         lines.append(f"{s['key']:<32} {s['length']:>8} {s['dead_letters']:>6}  {groups}")
     if not report["streams"]:
         lines.append("(no streams yet)")
+    relays = report.get("relay_leases") or []
+    if relays:
+        lines.append("relay partitions: " + ", ".join(
+            f"{r['partition']} {r['owner'] or '(free)'} (epoch {r['epoch']})" for r in relays))
+    leases = report.get("consumer_leases") or []
+    if leases:
+        lines.append("consumer partition streams (group stream:partition owner):")
+        lines += [f"  {o['group']} {o['stream']}:{o['partition']} {o['owner'] or '(free)'} "
+                  f"(epoch {o['epoch']})" for o in leases]
     return "\n".join(lines)

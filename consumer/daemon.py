@@ -4,16 +4,22 @@ Order of a batch, and why:
 
 1. Entries that do not parse are copied to the dead-letter stream with their reason, then
    acknowledged: they can never succeed, and a record exists before the ACK.
-2. Entries of an unknown type, or delivered more than ``max_deliveries`` times, are copied to
-   the dead-letter stream *before* the claim transaction records a ``dead`` receipt.
-3. Everything else is claimed in one transaction (:func:`consumer.inbox.claim`).
-4. Only after that commit: ``XACK`` every entry except those whose handler failed; those stay
-   pending and come back through ``XAUTOCLAIM`` once idle for ``claim_idle_ms``.
+2. Everything else is claimed in one transaction (:func:`consumer.inbox.claim`), which also
+   decides the order per aggregate (``waiting``, ``out_of_order``, ``superseded``).
+3. After that commit and before the ACK: dead outcomes (unknown type, more than
+   ``max_deliveries`` deliveries, ``out_of_order``) are copied to the dead-letter stream.
+4. ``XACK`` every entry except the ``failed`` and ``waiting`` ones: those stay pending and are
+   retried in id order (a waiting entry's delivery counter is put back first).
 5. Then the callbacks handlers scheduled with ``Handlers.after_commit`` for applied events
    (post-commit work such as run stages); a rolled-back claim drops them.
 
 A crash between 3 and 4 redelivers the entries; the inbox finds them and they are acknowledged
 as duplicates. After a restart the consumer first re-reads its own pending entries.
+
+Ownership (:mod:`consumer.ownership`): the consumers of a group lease the partition streams, one
+owner each, and read only their own. A new owner takes over the previous owner's pending
+entries and processes them, in id order, before anything new; every claim re-checks the lease
+epoch, so a fenced-out consumer's late commit is refused.
 """
 
 from __future__ import annotations
@@ -30,12 +36,13 @@ from dataclasses import dataclass
 from types import FrameType
 
 import redis
-from sqlalchemy import Engine
+from sqlalchemy import Connection, Engine
 
 from consumer import inbox, streams
+from consumer import ownership as ownership_
 from consumer.handlers import Handlers
 from consumer.streams import Entry
-from shared import faults
+from shared import faults, keys
 from shared.envelope import Event
 from shared.errors import InvalidEventError, UnavailableError
 from shared.settings import ConsumerSettings
@@ -50,15 +57,27 @@ class ConsumerStats:
     read: int = 0
     applied: int = 0
     duplicates: int = 0
-    stale: int = 0
+    superseded: int = 0  # latest-ordered events older than the applied revision
     dead: int = 0
+    out_of_order: int = 0  # strict events older than the applied revision (also in ``dead``)
     failed: int = 0
+    waiting: int = 0  # strict events held behind an earlier failing/waiting one (not acked)
     invalid: int = 0
-    autoclaimed: int = 0
+    autoclaimed: int = 0  # pending entries re-read by a pending pass (retries, takeovers)
+    taken_over: int = 0  # pending entries moved to us from another consumer of the group
+    lease_losses: int = 0  # claims refused because a partition stream was taken over
 
 
 class Consumer:
-    """One consumer of one group, reading every partition of its streams."""
+    """One consumer of one group, reading the partition streams it owns.
+
+    With ``ownership`` (what ``outbox consume`` runs), the consumers of a group lease the
+    partition streams (:mod:`consumer.ownership`): each key is read by one consumer, which
+    takes over the previous owner's pending entries and processes them, in id order, before
+    anything new; every claim re-checks the lease's epoch. Without it (tests, benchmarks that
+    build one consumer by hand) this consumer reads every key, unfenced: never run two of
+    those in one group.
+    """
 
     def __init__(
         self,
@@ -68,19 +87,26 @@ class Consumer:
         handlers: Handlers,
         *,
         after_batch: Callable[[], None] | None = None,
+        ownership: bool = False,
     ) -> None:
         self.settings = settings
         self.engine = engine
         self.client = client
         self.handlers = handlers
         self.name = settings.consumer or f"{socket.gethostname()}:{os.getpid()}"
-        self.keys = streams.partition_keys(
-            settings.key_prefix, settings.stream_names(), settings.partitions
-        )
+        ids = {keys.stream_key(settings.key_prefix, s, p): (s, p)
+               for s in settings.stream_names() for p in range(settings.partitions)}
+        self.keys = list(ids)
+        self.leases = ownership_.Leases(engine, settings.group, self.name, ids,
+                                        settings.lease_ttl_ms, enabled=ownership)
+        # Strict aggregates with an earlier entry failing or waiting (consumer/inbox.py):
+        # rebuilt by each pending pass, grown by every claim in between.
+        self.blocked: set[tuple[str, str]] = set()
         self.stats = ConsumerStats()
         self.after_batch = after_batch
         self._stop = threading.Event()
-        self._next_autoclaim = 0.0
+        self._pass_due = True  # take over and re-read pending entries before anything new
+        self._next_pending_check = 0.0
         self._groups_ready = False
         self._backoff = 0.0
 
@@ -99,72 +125,216 @@ class Consumer:
         signal.signal(signal.SIGINT, handler)
 
     def run(self) -> ConsumerStats:
-        """Consume until stopped: own pending entries first, then new ones."""
+        """Consume until stopped, then give the leases back (so others need not wait for them
+        to expire)."""
         log.info("consumer %s of group %s started", self.name, self.settings.group)
-        pending_done = False
-        while not self._stop.is_set():
-            try:
-                if not pending_done:
-                    self.drain_pending()
-                    pending_done = True
-                self.run_once()
-                self._backoff = 0.0
-            except UnavailableError as err:
-                self._groups_ready = False
-                self._sleep_backoff(err)
+        try:
+            while not self._stop.is_set():
+                try:
+                    self.run_once()
+                    self._backoff = 0.0
+                except UnavailableError as err:
+                    self._groups_ready = False
+                    self._sleep_backoff(err)
+        finally:
+            self._release_leases()
         log.info("consumer %s stopped: %s", self.name, self.stats)
         return self.stats
 
     def run_once(self, block_ms: int | None = None) -> int:
-        """Autoclaim when due, then one ``XREADGROUP >``; returns entries handled."""
-        if self.handlers.paused():  # backpressure: let other consumers take the new entries
+        """Renew leases when due; a pending pass when due; then one ``XREADGROUP >`` of the
+        keys this consumer owns. Returns entries handled.
+
+        A consumer that owns nothing (more consumers than partition streams, or leases not
+        renewable) waits until its next renewal instead of reading: scale-out is by
+        partitions.
+        """
+        self._ensure_groups()
+        self._renew_leases()
+        if self.handlers.paused():  # backpressure: leave new entries in the stream
             self._stop.wait(min(self.settings.block_ms, 50) / 1000)
             return 0
-        self._ensure_groups()
+        readable = self.leases.readable()
+        if not readable:
+            self._stop.wait(self.leases.idle_wait_s())
+            return 0
         handled = 0
-        if time.monotonic() >= self._next_autoclaim:
-            taken = streams.autoclaim(
-                self.client, self.keys, self.settings.group, self.name,
-                min_idle_ms=self.settings.claim_idle_ms, count=self.settings.batch_size,
+        if self._pass_due or self._pending_due(readable):
+            handled += self.drain_pending()
+            readable = self.leases.readable()
+            if not readable or self._stop.is_set():
+                return handled
+        try:
+            entries = streams.read(
+                self.client, dict.fromkeys(readable, ">"), self.settings.group, self.name,
+                count=self.settings.batch_size,
+                block_ms=self.settings.block_ms if block_ms is None else block_ms,
             )
-            self.stats.autoclaimed += len(taken)
-            handled += self.process(taken)
-            self._next_autoclaim = time.monotonic() + self.settings.claim_interval_ms / 1000
-        entries = streams.read(
-            self.client, dict.fromkeys(self.keys, ">"), self.settings.group, self.name,
-            count=self.settings.batch_size,
-            block_ms=self.settings.block_ms if block_ms is None else block_ms,
-        )
-        return handled + self.process(entries)
+        except UnavailableError:
+            self._pass_due = True  # unknown outcome: entries may have been delivered to us
+            raise
+        return handled + self._process_owned(entries)
 
     def drain_pending(self) -> int:
-        """Re-read every entry still pending for this consumer (after a crash or restart)."""
+        """The pending pass: take over, then re-read in id order, every pending entry of the
+        group on the keys this consumer owns; returns entries handled.
+
+        First every pending entry of another consumer on an owned key is moved to us (the
+        previous owner's, whatever its idle time: :func:`consumer.streams.take_over`). Then
+        ``self.blocked`` is cleared and our pending entries are re-read from id 0, page by
+        page, each page processed before the next and before anything new is read: failed
+        and waiting entries are retried in id order, which is how strict order holds across
+        batches. Runs at start, when a key is newly owned, and every ``claim_interval_ms``
+        while the group has pending entries on our keys.
+        """
         self._ensure_groups()
-        cursors = dict.fromkeys(self.keys, "0")
-        handled = 0
+        self._renew_leases()
+        s = self.settings
+        readable = self.leases.readable()
+        if not readable:
+            return 0  # nothing we may read now: the pass stays due
+        self._pass_due = False
+        self._next_pending_check = time.monotonic() + s.claim_interval_ms / 1000
+        try:
+            return self._pending_pass(readable)
+        except BaseException:
+            self._pass_due = True  # an unfinished pass is done again before anything new
+            raise
+
+    def _pending_pass(self, readable: list[str]) -> int:
+        s = self.settings
+        trimmed: list[Entry] = []
+        for key in readable:
+            moved, gone = streams.take_over(self.client, key, s.group, self.name,
+                                            count=s.batch_size)
+            self.stats.taken_over += moved
+            trimmed += gone
+        self.blocked.clear()
+        handled = self._process_owned(trimmed)  # letters for entries trimmed while pending
+        cursors = dict.fromkeys(readable, "0")
         while cursors and not self._stop.is_set():
-            entries = streams.read(
-                self.client, cursors, self.settings.group, self.name,
-                count=self.settings.batch_size, block_ms=None,
-            )
+            entries = streams.read(self.client, cursors, s.group, self.name,
+                                   count=s.batch_size, block_ms=None)
             seen = {e.key for e in entries}
             for e in entries:
                 cursors[e.key] = e.entry_id
-            cursors = {k: v for k, v in cursors.items() if k in seen}
-            handled += self.process(entries)
+            self.stats.autoclaimed += len(entries)
+            handled += self._process_owned(entries)
+            self._renew_leases()  # a long pass must not outlive its leases
+            still = set(self.leases.readable())
+            cursors = {k: v for k, v in cursors.items() if k in seen and k in still}
         return handled
 
+    def _renew_leases(self) -> None:
+        """Renew (and rebalance) the leases when due; a newly owned key calls for a pass."""
+        if self.leases.due() and self.leases.renew():
+            self._pass_due = True
+
+    def _pending_due(self, readable: list[str]) -> bool:
+        """Every ``claim_interval_ms``: whether the group has pending entries on our keys
+        (our failed or waiting ones; or entries a fenced-out consumer read late)."""
+        if time.monotonic() < self._next_pending_check:
+            return False
+        self._next_pending_check = time.monotonic() + self.settings.claim_interval_ms / 1000
+        pending = streams.group_pending(self.client, readable, self.settings.group)
+        return any(pending.values())
+
+    def _fence_check(self, stream_keys: list[str]) -> Callable[[Connection], None] | None:
+        """The ownership fence :meth:`process` passes to the claim (None without ownership):
+        it raises :class:`consumer.ownership.PartitionLostError` unless this consumer still
+        owns every key of the batch at the epoch it read them under."""
+        return self.leases.fence(stream_keys)
+
+    def _process_owned(self, entries: list[Entry]) -> int:
+        """:meth:`process`, dropping the keys whose lease turns out to be lost: nothing of the
+        batch is acknowledged, its entries stay pending for the new owner to take over.
+
+        Whenever a batch did not complete (lease lost, database or Redis unavailable), its
+        entries of keys we still own stay pending; a pending pass re-reads them before
+        anything newer is read, so a rolled-back batch cannot be overtaken by later entries.
+        """
+        try:
+            return self.process(entries)
+        except ownership_.PartitionLostError as err:
+            self._pass_due = True
+            dropped = self.leases.drop(err.keys)
+            self.stats.lease_losses += 1
+            log.warning("consumer %s lost %s to another consumer of group %s; "
+                        "its batch was not committed", self.name, dropped, self.settings.group)
+            return 0
+        except BaseException:
+            self._pass_due = True
+            raise
+
+    def _release_leases(self) -> None:
+        try:
+            self.leases.release()
+        except UnavailableError as err:
+            log.warning("could not release the leases (%s); they expire on their own",
+                        err.message)
+
     def process(self, entries: list[Entry]) -> int:
-        """Validate, dead-letter, claim and acknowledge one batch of entries."""
+        """Validate, claim, dead-letter and acknowledge one batch of entries.
+
+        Letters of entries that never parse or were trimmed while pending are written first.
+        Letters of dead outcomes (``unknown_type``, ``max_deliveries``, ``out_of_order``, and
+        a redelivered entry whose receipt is already ``dead``) are written after the claim
+        committed and before the ``XACK``: a crash in between redelivers the entry, the claim
+        finds its dead receipt and the letter is written again (a second copy, never none).
+        ``failed`` and ``waiting`` entries are not acknowledged; a waiting entry's delivery
+        counter is put back, so waiting never counts toward ``max_deliveries``.
+        """
         if not entries:
             return 0
         self.stats.read += len(entries)
+        s = self.settings
+        to_ack, letters, batch = self._letters_validate(entries)
+        streams.dead_letter(self.client, s.key_prefix, letters, s.group, self.name)
+        check = self._fence_check(sorted({d.key for d in batch})) if batch else None
+        try:
+            outcomes = inbox.claim(self.engine, s.group, batch, self.handlers,
+                                   blocked=self.blocked, check=check)
+        except BaseException:
+            self.handlers.take_after_commit(set())  # rolled back: drop scheduled work
+            raise
+        faults.point("consumer.after_commit")
+        by_id = {(e.key, e.entry_id): e for e in entries}
+        letters, waiting = [], []
+        for o in outcomes:
+            entry = by_id[(o.delivery.key, o.delivery.entry_id)]
+            self._count(o)
+            if o.outcome == inbox.WAITING:
+                waiting.append(entry)
+            elif o.outcome != inbox.FAILED:
+                to_ack.append(entry)
+                if o.error is not None and o.outcome in (inbox.DEAD, inbox.DUPLICATE):
+                    letters.append(_letters_of(entry, o))
+        streams.dead_letter(self.client, s.key_prefix, letters, s.group, self.name)
+        streams.restore_delivery_count(self.client, s.group, self.name, waiting)
+        streams.ack(self.client, s.group, to_ack)
+        faults.point("consumer.after_ack")
+        self._run_after_commit({o.delivery.event.id for o in outcomes
+                                if o.outcome == inbox.APPLIED})
+        if self.after_batch is not None:
+            self.after_batch()
+        return len(entries)
+
+    def _letters_validate(
+        self, entries: list[Entry]
+    ) -> tuple[list[Entry], list[tuple[Entry, str, str]], list[inbox.Delivery]]:
+        """Split a batch: (to ack now, their letters, deliveries to claim).
+
+        Trimmed and unparsable entries get a letter and are acknowledged; an unknown type or
+        too many deliveries marks the delivery dead (the claim still decides: a delivery of a
+        blocked aggregate waits whatever its counter says).
+        """
         s = self.settings
         to_ack: list[Entry] = []
         letters: list[tuple[Entry, str, str]] = []
         batch: list[inbox.Delivery] = []
         for entry in entries:
-            if entry.fields is None:  # trimmed while pending: nothing left to handle
+            if entry.fields is None:  # trimmed while pending: record it, never ack silently
+                letters.append((entry, "trimmed", "the stream no longer holds this entry"))
                 to_ack.append(entry)
                 continue
             try:
@@ -179,28 +349,8 @@ class Consumer:
                 reason = "unknown_type"
             elif entry.deliveries > s.max_deliveries:
                 reason = "max_deliveries"
-            if reason is not None:
-                letters.append((entry, reason, f"dead-lettered: {reason}"))
             batch.append(inbox.Delivery(entry.key, entry.entry_id, event, entry.deliveries, reason))
-        streams.dead_letter(self.client, s.key_prefix, letters, s.group, self.name)
-        try:
-            outcomes = inbox.claim(self.engine, s.group, batch, self.handlers)
-        except BaseException:
-            self.handlers.take_after_commit(set())  # rolled back: drop scheduled work
-            raise
-        faults.point("consumer.after_commit")
-        by_id = {(e.key, e.entry_id): e for e in entries}
-        for o in outcomes:
-            self._count(o.outcome)
-            if o.outcome != inbox.FAILED:
-                to_ack.append(by_id[(o.delivery.key, o.delivery.entry_id)])
-        streams.ack(self.client, s.group, to_ack)
-        faults.point("consumer.after_ack")
-        self._run_after_commit({o.delivery.event.id for o in outcomes
-                                if o.outcome == inbox.APPLIED})
-        if self.after_batch is not None:
-            self.after_batch()
-        return len(entries)
+        return to_ack, letters, batch
 
     def _run_after_commit(self, applied: set[str]) -> None:
         for callback in self.handlers.take_after_commit(applied):
@@ -210,9 +360,11 @@ class Consumer:
                 log.warning("after-commit callback failed: %s", type(err).__name__)
                 log.debug("after-commit error", exc_info=True)
 
-    def _count(self, outcome: str) -> None:
-        attr = {"duplicate": "duplicates"}.get(outcome, outcome)
+    def _count(self, o: inbox.Outcome) -> None:
+        attr = {"duplicate": "duplicates"}.get(o.outcome, o.outcome)
         setattr(self.stats, attr, getattr(self.stats, attr) + 1)
+        if o.outcome == inbox.DEAD and o.error == inbox.OUT_OF_ORDER:
+            self.stats.out_of_order += 1
 
     def _ensure_groups(self) -> None:
         if not self._groups_ready:
@@ -224,3 +376,16 @@ class Consumer:
         delay = random.uniform(self._backoff / 2, self._backoff)
         log.warning("%s; retrying in %.2fs", err.message, delay)
         self._stop.wait(delay)
+
+
+def _letters_of(entry: Entry, o: inbox.Outcome) -> tuple[Entry, str, str]:
+    """The letter of a dead outcome; an ``out_of_order`` one names both revisions
+    (``dlq.revision``: the event's, ``dlq.head``: the applied one it arrived behind)."""
+    reason = o.error or inbox.DEAD
+    if reason != inbox.OUT_OF_ORDER:
+        return entry, reason, f"dead-lettered: {reason}"
+    rev, head = o.delivery.event.revision, o.head
+    fields = {**(entry.fields or {}), b"dlq.revision": str(rev).encode(),
+              b"dlq.head": str(head if head is not None else "").encode()}
+    return (Entry(entry.key, entry.entry_id, fields, entry.deliveries), reason,
+            f"revision {rev} arrived after revision {head} was applied")

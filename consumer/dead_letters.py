@@ -13,16 +13,19 @@ would jump the stream's top ahead of the relay's explicit ids (its next ``XADD``
 refused and counted as an ordering gap); and every *other* group of the stream, which handled
 the event long ago, would receive it again. Instead replay parses the original fields and runs
 them through :func:`consumer.inbox.claim` for the letter's own group, exactly as the consumer
-would: an event already in the inbox is a ``duplicate``, one older than the aggregate's head is
-``stale``, otherwise its handler runs in a savepoint and the receipt commits with its writes.
-So replaying twice, or racing a live consumer, applies the event at most once.
+would, with one difference: **replay is an operator's decision, so it applies the event
+whatever the aggregate's head says** (an ``out_of_order`` letter is applied, never
+``superseded``; the head is never lowered by it). An event already in the inbox is a
+``duplicate``; otherwise its handler runs in a savepoint and the ``applied`` receipt commits
+with its writes. So replaying twice, or racing a live consumer, applies the event at most once.
 
-One subtlety: for ``unknown_type`` and ``max_deliveries`` letters the claim already wrote a
-``dead`` receipt, which would make the replay a mere ``duplicate``. Replay therefore deletes a
-``dead`` receipt of that event (never any other outcome) just before claiming. If the claim then
-fails, the letter is still in its stream, so a record of the event always exists.
+One subtlety: for ``unknown_type``, ``max_deliveries`` and ``out_of_order`` letters the claim
+already wrote a ``dead`` receipt, which would make the replay a mere ``duplicate``. Replay
+therefore deletes a ``dead`` receipt of that event (never any other outcome) just before
+claiming. If the claim then fails, the letter is still in its stream, so a record of the event
+always exists.
 
-After a claim settles (``applied``, ``duplicate`` or ``stale``) the letter is deleted with
+Only after the claim committed (``applied`` or ``duplicate``) is the letter deleted with
 ``XDEL``: the inbox receipt, which keeps the original stream key and entry id, is now the
 record, and a letter that stays listed would only invite a second (harmless, but confusing)
 replay. Letters that still do not parse, have no handler, or whose handler fails stay put.
@@ -52,7 +55,7 @@ log = logging.getLogger(__name__)
 META = "dlq."
 # The suffix keys.dead_letter_key puts after a partition's stream key, derived, not repeated.
 _DEAD_SUFFIX = keys.dead_letter_key("p", "s", 0).removeprefix(keys.stream_key("p", "s", 0))
-SETTLED = (inbox.APPLIED, inbox.DUPLICATE, inbox.STALE)
+SETTLED = (inbox.APPLIED, inbox.DUPLICATE)
 
 
 @dataclass(frozen=True)
@@ -73,7 +76,8 @@ class DeadLetter:
 
     @property
     def reason(self) -> str:
-        """The reason code (``missing_field``, ``unknown_type``, ``max_deliveries`` …)."""
+        """The reason code (``missing_field``, ``unknown_type``, ``max_deliveries``,
+        ``out_of_order`` (with ``dlq.revision`` and ``dlq.head``), ``trimmed`` …)."""
         return self.meta.get("reason", "unknown")
 
     @property
@@ -93,6 +97,7 @@ class DeadLetter:
             "group": self.group,
             "consumer": self.meta.get("consumer", ""),
             "deliveries": int(self.meta.get("deliveries", "0") or 0),
+            **{k: self.meta[k] for k in ("revision", "head") if k in self.meta},
             "time_ms": int(self.meta.get("time_ms", "0") or 0),
             "fields": {_show(k): _show(v) for k, v in self.fields.items()},
         }
@@ -103,7 +108,7 @@ class Replayed:
     """What replay did with one letter; ``removed`` says whether it left the DLQ."""
 
     letter_id: str
-    outcome: str  # applied | duplicate | stale | failed | invalid | skipped
+    outcome: str  # applied | duplicate | failed | invalid | skipped
     detail: str = ""
     removed: bool = False
 
@@ -188,7 +193,8 @@ def replay(
     group: str,
     max_data_bytes: int = DEFAULT_MAX_DATA_BYTES,
 ) -> Replayed:
-    """Run one letter through the normal claim path of ``group`` (see the module docstring)."""
+    """Apply one letter through the claim path of ``group``, whatever the aggregate's head (see
+    the module docstring); the letter is deleted only after that claim committed."""
     lid = letter.letter_id
     if letter.group != group:
         return Replayed(lid, "skipped", f"other_group: the letter belongs to {letter.group!r}")
@@ -201,7 +207,7 @@ def replay(
     reopen_dead_receipt(engine, group, event.id)
     delivery = inbox.Delivery(
         letter.meta.get("stream", ""), letter.meta.get("entry_id", ""), event,
-        int(letter.meta.get("deliveries", "1") or 1),
+        int(letter.meta.get("deliveries", "1") or 1), replay=True,
     )
     (outcome,) = inbox.claim(engine, group, [delivery], handlers)
     if outcome.outcome not in SETTLED:

@@ -10,16 +10,27 @@ Work that must not run inside the transaction (a long run stage, a network call)
 with :meth:`Handlers.after_commit`: the daemon runs it only after the claim transaction
 committed *and* the entry was acknowledged, and only if that handler's event was applied; on a
 rollback or a failed handler the callback is dropped.
+
+Each handler also says how it treats the order of an aggregate's events (design.md flow 3):
+
+- ``strict`` (the default, for events that carry a change): an aggregate's events apply in
+  revision order; while an earlier one is failing or waiting, later ones wait (not applied,
+  not acknowledged); one older than the applied revision is dead-lettered as ``out_of_order``.
+- ``latest`` (for events that only say "this aggregate changed, re-read it"): an older one
+  than the applied revision is ``superseded``: acknowledged and counted, its handler not run.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Protocol
+from typing import Literal, Protocol
 
 from sqlalchemy import Connection
 
 from shared.envelope import Event
+
+Ordering = Literal["strict", "latest"]
+ORDERINGS: tuple[Ordering, ...] = ("strict", "latest")
 
 
 class Handler(Protocol):
@@ -33,20 +44,29 @@ class Handlers:
 
     def __init__(self) -> None:
         self._by_type: dict[str, Handler] = {}
+        self._ordering: dict[str, Ordering] = {}
         self._after_commit: list[tuple[str, Callable[[], None]]] = []
         self._pause: Callable[[], bool] | None = None
 
-    def register(self, event_type: str, handler: Handler) -> None:
-        """Route events of ``event_type`` (or every type, with ``"*"``) to ``handler``."""
+    def register(
+        self, event_type: str, handler: Handler, *, ordering: Ordering = "strict"
+    ) -> None:
+        """Route events of ``event_type`` (or every type, with ``"*"``) to ``handler``,
+        applied in ``ordering`` (see the module docstring)."""
         if event_type in self._by_type:
             raise ValueError(f"a handler for {event_type!r} is already registered")
+        if ordering not in ORDERINGS:
+            raise ValueError(f"ordering must be one of {ORDERINGS}, not {ordering!r}")
         self._by_type[event_type] = handler
+        self._ordering[event_type] = ordering
 
-    def on(self, event_type: str) -> Callable[[Handler], Handler]:
+    def on(
+        self, event_type: str, *, ordering: Ordering = "strict"
+    ) -> Callable[[Handler], Handler]:
         """Decorator form of :meth:`register`."""
 
         def decorate(handler: Handler) -> Handler:
-            self.register(event_type, handler)
+            self.register(event_type, handler, ordering=ordering)
             return handler
 
         return decorate
@@ -54,6 +74,12 @@ class Handlers:
     def get(self, event_type: str) -> Handler | None:
         """The handler for a type, falling back to ``"*"``; None if the group has none."""
         return self._by_type.get(event_type) or self._by_type.get("*")
+
+    def ordering(self, event_type: str) -> Ordering:
+        """The ordering of the handler :meth:`get` returns; ``strict`` when there is none."""
+        if event_type in self._by_type:
+            return self._ordering[event_type]
+        return self._ordering.get("*", "strict")
 
     def after_commit(self, event_id: str, callback: Callable[[], None]) -> None:
         """From a handler: run ``callback`` once the claim of ``event_id`` committed and was

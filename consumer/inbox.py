@@ -2,16 +2,18 @@
 
 One transaction per batch. On PostgreSQL it first takes transaction-scoped advisory locks on
 the batch's aggregates (sorted, so two consumers cannot deadlock), which serializes any two
-claims that touch the same aggregate: the duplicate and stale checks below then read settled
+claims that touch the same aggregate: the duplicate and order checks below then read settled
 rows. SQLite's ``BEGIN IMMEDIATE`` already serializes whole transactions.
+
+The decisions (order per aggregate, whose fault an error is) are made by
+:mod:`consumer.ordering`, whose outcome vocabulary this module re-exports: ``inbox.APPLIED``,
+``inbox.Delivery``, ``inbox.claim`` are what the daemon and dead-letter replay use.
 """
 
 from __future__ import annotations
 
 import hashlib
-import logging
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from sqlalchemy import (
@@ -22,7 +24,6 @@ from sqlalchemy import (
     bindparam,
     cast,
     column,
-    exc,
     func,
     select,
     true,
@@ -33,69 +34,64 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.sql import Select
 
 from consumer.handlers import Handlers
+from consumer.ordering import (
+    APPLIED,
+    DEAD,
+    DUPLICATE,
+    FAILED,
+    OUT_OF_ORDER,
+    SUPERSEDED,
+    WAITING,
+    AggregateKey,
+    Delivery,
+    Ledger,
+    Outcome,
+    aggregate_key,
+    decide_batch,
+)
 from shared.db import is_postgres, json_recordset, now_ms, translate_errors
-from shared.envelope import Event
 from shared.schema import inbox, inbox_heads
 
-log = logging.getLogger(__name__)
-
-APPLIED, DUPLICATE, STALE, DEAD, FAILED = "applied", "duplicate", "stale", "dead", "failed"
-
-
-@dataclass(frozen=True)
-class Delivery:
-    """A valid entry to claim: where it came from and what it says."""
-
-    key: str
-    entry_id: str
-    event: Event
-    deliveries: int
-    dead_reason: str | None = None  # set when it must be recorded as dead, not applied
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """What the claim decided for one delivery; ``failed`` ones stay pending."""
-
-    delivery: Delivery
-    outcome: str
-    error: str | None = None
-
-
-def _head_key(event: Event) -> tuple[str, str] | None:
-    if event.aggregateid is None or event.revision is None:
-        return None
-    return (event.aggregatetype or "", event.aggregateid)
+__all__ = [
+    "APPLIED", "DEAD", "DUPLICATE", "FAILED", "OUT_OF_ORDER", "SUPERSEDED", "WAITING",
+    "AggregateKey", "Delivery", "Outcome", "aggregate_key", "claim",
+]
 
 
 def _lock_key(group: str, d: Delivery) -> int:
-    head = _head_key(d.event)
+    head = aggregate_key(d.event)
     raw = "\0".join((group, *head)) if head else f"{group}\0event\0{d.event.id}"
     return int.from_bytes(hashlib.blake2b(raw.encode(), digest_size=8).digest(), "big", signed=True)
 
 
-class _HandlerFailed(Exception):
-    """A handler on the optimistic path raised: redo the batch with a savepoint per handler."""
-
-    def __init__(self, delivery: Delivery, error: str) -> None:
-        super().__init__(error)
-        self.delivery, self.error = delivery, error
-
-
-def claim(engine: Engine, group: str, batch: list[Delivery], handlers: Handlers) -> list[Outcome]:
+def claim(
+    engine: Engine,
+    group: str,
+    batch: list[Delivery],
+    handlers: Handlers,
+    *,
+    blocked: set[AggregateKey] | None = None,
+    check: Callable[[Connection], None] | None = None,
+) -> list[Outcome]:
     """Claim a batch durably; return one outcome per delivery, in order.
 
-    Guarantees, in one transaction: an event id already in the group's inbox is a
-    ``duplicate`` (its counter goes up, nothing else happens); an event whose revision is not
-    newer than the aggregate's last applied one is ``stale``; otherwise the handler runs and the
-    receipt and the handler's writes commit together (``applied``), or its writes roll back and
-    the entry is ``failed`` (no receipt: it will be retried).
+    Guarantees, in one transaction (first ``check(conn)``, the caller's fence: if it raises,
+    nothing is decided): see the module docstring for the order of the decisions. An applied
+    event's receipt and its handler's writes commit together; a failing handler's writes roll
+    back alone and the entry is ``failed`` (no receipt: it is retried). ``blocked`` holds the
+    strict aggregates with an earlier entry failing or waiting; after the commit, the key of
+    every strict delivery that ended ``failed`` or ``waiting`` is added to it.
+
+    Errors: only a lost connection (or SQLite's ``database is locked``, contention) fails the
+    whole claim (``UnavailableError``: retried); any other error raised in a handler, a bad
+    statement or a statement timeout included, is that handler's failure.
 
     Optimistic path: the batch's handlers run inside ONE savepoint (a savepoint per handler
     cost two round trips per event, most of a claim's time). If a handler raises, that
     savepoint rolls back, callbacks scheduled with ``Handlers.after_commit`` are dropped, and
     the batch is decided again with a savepoint per handler; the entry whose handler raised is
-    ``failed`` without running again. So the outcomes are those of the per-handler path.
+    ``failed`` without running again (and blocks its later strict deliveries, as on the
+    per-handler path). So the outcomes are those of the per-handler path.
     Consequence for handler authors: a handler that ran *before* a failing neighbour in its
     batch runs twice in that claim; only the second run's writes commit. Effects outside
     ``conn`` belong in ``after_commit`` (delivery is at least once anyway).
@@ -103,71 +99,44 @@ def claim(engine: Engine, group: str, batch: list[Delivery], handlers: Handlers)
     if not batch:
         return []
     with translate_errors(), engine.begin() as conn:
+        if check is not None:
+            check(conn)
         if is_postgres(conn):
             lock_keys = sorted({_lock_key(group, d) for d in batch})
             array = cast(lock_keys, postgresql.ARRAY(BigInteger))
             conn.execute(select(func.pg_advisory_xact_lock(func.unnest(array))))
-        seen = _existing(conn, group, [d.event.id for d in batch])
-        heads = _heads(conn, group, {k for d in batch if (k := _head_key(d.event))})
-        outcomes = _decide_batch(conn, batch, seen, heads, handlers)
+        ledger = Ledger(
+            _existing(conn, group, [d.event.id for d in batch]),
+            _heads(conn, group, {k for d in batch if (k := aggregate_key(d.event))}),
+            set(blocked or ()),
+        )
+        outcomes, ledger = decide_batch(conn, batch, ledger, handlers)
         _write(conn, group, outcomes)
-        return outcomes
+    if blocked is not None:
+        blocked |= ledger.blocked
+    return outcomes
 
-
-def _decide_batch(
-    conn: Connection,
-    batch: list[Delivery],
-    seen: set[str],
-    heads: dict[Any, int],
-    handlers: Handlers,
-) -> list[Outcome]:
-    """Decide every delivery: optimistically under one savepoint, else one per handler."""
-    if len(batch) > 1:
-        try:
-            with conn.begin_nested():
-                return _decide_all(conn, batch, set(seen), dict(heads), handlers, False)
-        except _HandlerFailed as failure:
-            handlers.take_after_commit(set())  # rolled back: every handler runs again
-            _log_failure(failure.delivery.event, failure.error)
-            return [
-                Outcome(d, FAILED, failure.error) if d is failure.delivery
-                else _decide(conn, d, seen, heads, handlers, True)
-                for d in batch
-            ]
-    return _decide_all(conn, batch, seen, heads, handlers, True)
-
-
-def _decide_all(
-    conn: Connection,
-    batch: list[Delivery],
-    seen: set[str],
-    heads: dict[Any, int],
-    handlers: Handlers,
-    savepoints: bool,
-) -> list[Outcome]:
-    return [_decide(conn, d, seen, heads, handlers, savepoints) for d in batch]
-
-
-def _existing(conn: Connection, group: str, event_ids: list[str]) -> set[str]:
+def _existing(conn: Connection, group: str, event_ids: list[str]) -> dict[str, str | None]:
+    """The group's receipts among ``event_ids``: id -> the reason of a ``dead`` one, else None."""
+    columns = (inbox.c.event_id, inbox.c.outcome, inbox.c.reason)
     if not is_postgres(conn):
-        rows = conn.execute(select(inbox.c.event_id).where(
+        rows = conn.execute(select(*columns).where(
             inbox.c.group_name == group, inbox.c.event_id.in_(set(event_ids))
         ))
-        return {r[0] for r in rows}
-    given = func.unnest(
-        bindparam("b_ids", sorted(set(event_ids)), type_=postgresql.ARRAY(String))
-    ).table_valued("id", name="given").render_derived()
-    found = _probe(
-        select(inbox.c.event_id).where(
-            inbox.c.group_name == group, inbox.c.event_id == given.c.id
+    else:
+        given = func.unnest(
+            bindparam("b_ids", sorted(set(event_ids)), type_=postgresql.ARRAY(String))
+        ).table_valued("id", name="given").render_derived()
+        found = _probe(
+            select(*columns).where(inbox.c.group_name == group, inbox.c.event_id == given.c.id)
         )
-    )
-    return {r[0] for r in conn.execute(select(found.c.event_id).select_from(given).join(
-        found, true()
-    ))}
+        rows = conn.execute(select(*found.c).select_from(given).join(found, true()))
+    return {i: (reason or DEAD) if outcome == DEAD else None for i, outcome, reason in rows}
 
 
-def _heads(conn: Connection, group: str, aggregates: set[tuple[str, str]]) -> dict[Any, int]:
+def _heads(
+    conn: Connection, group: str, aggregates: set[AggregateKey]
+) -> dict[AggregateKey, int]:
     if not aggregates:
         return {}
     columns = (inbox_heads.c.aggregate_type, inbox_heads.c.aggregate_id, inbox_heads.c.revision)
@@ -201,66 +170,6 @@ def _probe(query: Select[Any]) -> Any:
     """
     return query.limit(1).lateral("found")
 
-
-def _decide(
-    conn: Connection,
-    d: Delivery,
-    seen: set[str],
-    heads: dict[Any, int],
-    handlers: Handlers,
-    savepoints: bool = True,
-) -> Outcome:
-    event = d.event
-    if event.id in seen:
-        return Outcome(d, DUPLICATE)
-    head = _head_key(event)
-    if d.dead_reason is not None:
-        seen.add(event.id)
-        return Outcome(d, DEAD, d.dead_reason)
-    if head is not None and event.revision is not None and heads.get(head, -1) >= event.revision:
-        seen.add(event.id)
-        return Outcome(d, STALE)
-    handler = handlers.get(event.type)
-    if handler is None:
-        seen.add(event.id)
-        return Outcome(d, DEAD, "unknown_type")
-    if not savepoints:
-        try:
-            handler(conn, event)
-        except Exception as err:
-            if _connection_lost(err):
-                raise
-            raise _HandlerFailed(d, type(err).__name__) from err
-    else:
-        try:
-            with conn.begin_nested():
-                handler(conn, event)
-        except Exception as err:  # the handler's own failure: only its savepoint rolls back
-            if _connection_lost(err):
-                raise  # not the handler's fault: the whole claim fails and is retried
-            _log_failure(event, type(err).__name__)
-            return Outcome(d, FAILED, type(err).__name__)
-    seen.add(event.id)
-    if head is not None and event.revision is not None:
-        heads[head] = event.revision
-    return Outcome(d, APPLIED)
-
-
-def _log_failure(event: Event, error: str) -> None:
-    log.warning("handler for %s failed on %s: %s", event.type, event.id, error)
-    log.debug("handler error", exc_info=True)
-
-
-def _connection_lost(err: Exception) -> bool:
-    """A database failure under the handler (connection killed, server gone), as opposed to the
-    handler's own error: the transaction cannot go on, so no other entry may be decided in it."""
-    if isinstance(err, exc.DBAPIError):
-        return bool(err.connection_invalidated) or isinstance(
-            err, exc.OperationalError | exc.InterfaceError
-        )
-    return isinstance(err, exc.PendingRollbackError | exc.ResourceClosedError)
-
-
 def _write(conn: Connection, group: str, outcomes: list[Outcome]) -> None:
     now = now_ms()
     receipts = [
@@ -278,7 +187,7 @@ def _write(conn: Connection, group: str, outcomes: list[Outcome]) -> None:
             "created_at_ms": now,
         }
         for o in outcomes
-        if o.outcome in (APPLIED, STALE, DEAD)
+        if o.outcome in (APPLIED, SUPERSEDED, DEAD)
     ]
     if receipts:
         _insert_receipts(conn, receipts)
@@ -298,7 +207,7 @@ def _write(conn: Connection, group: str, outcomes: list[Outcome]) -> None:
 def _applied_heads(outcomes: Iterable[Outcome]) -> dict[tuple[str, str], int]:
     best: dict[tuple[str, str], int] = {}
     for o in outcomes:
-        head = _head_key(o.delivery.event)
+        head = aggregate_key(o.delivery.event)
         rev = o.delivery.event.revision
         if o.outcome == APPLIED and head is not None and rev is not None:
             best[head] = max(best.get(head, -1), rev)

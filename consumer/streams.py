@@ -187,3 +187,72 @@ def _text(value: bytes | str) -> str:
 def _id_tuple(entry_id: str) -> tuple[int, int]:
     ms, _, seq = entry_id.partition("-")
     return int(ms), int(seq or 0)
+
+
+def restore_delivery_count(
+    client: redis.Redis, group: str, consumer: str, entries: list[Entry]
+) -> None:
+    """Put back the delivery counter of entries that only waited (an earlier event of their
+    aggregate was failing or waiting): ``XCLAIM key group me 0 id RETRYCOUNT <deliveries-1>
+    JUSTID``, pipelined. So waiting never counts as an attempt toward ``max_deliveries``.
+
+    The entries stay pending for ``consumer`` (they are already ours: the claim only rewrites
+    their counter and resets their idle time).
+    """
+    if not entries:
+        return
+    with translate_redis_errors():
+        pipe = client.pipeline(transaction=False)
+        for e in entries:
+            pipe.xclaim(e.key, group, consumer, 0, [e.entry_id],
+                        retrycount=max(e.deliveries - 1, 0), justid=True)
+        pipe.execute()
+
+
+def take_over(
+    client: redis.Redis, key: str, group: str, consumer: str, *, count: int
+) -> tuple[int, list[Entry]]:
+    """Move every pending entry of ``group`` on ``key`` to ``consumer``, whatever its idle time:
+    the new owner of a partition stream takes over the previous owner's entries.
+
+    ``XPENDING`` pages through the group's pending list (in id order); the entries of other
+    consumers are moved with ``XCLAIM … 0 … JUSTID``, which leaves their delivery counters
+    alone (the owner's re-read counts the delivery). ``XAUTOCLAIM … JUSTID`` would do the same,
+    but redis-py drops its cursor. Returns how many entries moved, and the entries Redis
+    dropped from the pending list because the stream no longer holds them (as entries
+    without fields: the caller letters them, never loses them silently).
+    """
+    moved, trimmed = 0, []
+    start = "-"
+    with translate_redis_errors():
+        while True:
+            rows: Any = client.xpending_range(key, group, min=start, max="+", count=count)
+            if not rows:
+                break
+            ids: list[Any] = [
+                _text(r["message_id"]) for r in rows if _text(r["consumer"]) != consumer
+            ]
+            if ids:
+                got: Any = client.xclaim(key, group, consumer, 0, ids, justid=True)
+                claimed = {_text(i) for i in got}
+                moved += len(claimed)
+                counts = {_text(r["message_id"]): int(r["times_delivered"]) for r in rows}
+                trimmed += [Entry(key, i, None, counts[i]) for i in ids if i not in claimed]
+            if len(rows) < count:
+                break
+            start = "(" + _text(rows[-1]["message_id"])
+    if trimmed:
+        log.warning("%d pending entries of %s were trimmed away", len(trimmed), key)
+    return moved, trimmed
+
+
+def group_pending(client: redis.Redis, stream_keys: list[str], group: str) -> dict[str, int]:
+    """How many entries of ``group`` are pending on each key (all consumers), pipelined."""
+    if not stream_keys:
+        return {}
+    with translate_redis_errors():
+        pipe = client.pipeline(transaction=False)
+        for key in stream_keys:
+            pipe.xpending(key, group)
+        replies: Any = pipe.execute()
+    return {key: int(reply["pending"]) for key, reply in zip(stream_keys, replies, strict=True)}

@@ -119,10 +119,15 @@ class RunWorker:
     # -- claim (consumer thread, inside the claim transaction) --------------------------------
 
     def register(self, registry: Handlers) -> None:
-        """Handle every ``run.*`` event type in ``registry``."""
+        """Handle every ``run.*`` event type in ``registry``, ordered ``latest``.
+
+        A run event carries no change, it only says "this run changed, re-read it": one older
+        than the revision the group applied is ``superseded`` (acknowledged, counted), and the
+        claim below re-reads the run anyway.
+        """
         self._registry = registry
         for kind in RUN_EVENTS:
-            registry.register(kind, self.handle)
+            registry.register(kind, self.handle, ordering="latest")
         registry.pause_when(self.saturated)
 
     def saturated(self) -> bool:

@@ -15,14 +15,23 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, cast
 
-from sqlalchemy import ClauseElement, Connection, Dialect, String, bindparam, func, select
+from sqlalchemy import (
+    BigInteger,
+    ClauseElement,
+    Connection,
+    Dialect,
+    String,
+    bindparam,
+    func,
+    select,
+)
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 from sqlalchemy.orm import Session
 from sqlalchemy.sql.compiler import SQLCompiler
 
 from shared import faults, keys
-from shared.db import now_ms
+from shared.db import db_now_ms, now_ms
 from shared.envelope import DEFAULT_MAX_DATA_BYTES, MAX_ID_LENGTH, MAX_REVISION
 from shared.errors import DuplicateEventError, InvalidEventError
 from shared.schema import outbox
@@ -134,7 +143,6 @@ class Producer:
             else:
                 event_id = str(uuid.uuid4())
         _check_text("event id", event_id, MAX_ID_LENGTH)
-        now = now_ms()
         part_key = aggregate_id if aggregate_id is not None else event_id
         return {
             "event_id": event_id,
@@ -147,8 +155,8 @@ class Producer:
             "source": self.source,
             "payload": payload,
             "headers": json.dumps({"traceparent": traceparent} if traceparent else {}),
-            "created_at_ms": now,
-            "available_at_ms": now + delay_ms,
+            "created_at_ms": now_ms(),  # the CloudEvents `time`: this host's clock
+            "delay_ms": delay_ms,  # available_at_ms = the database's clock + delay_ms
         }
 
     def _payload(self, data: Any) -> str:
@@ -169,7 +177,7 @@ class Producer:
 
 _COLUMNS = (
     "event_id", "stream", "partition", "aggregate_type", "aggregate_id", "revision", "type",
-    "source", "payload", "headers", "created_at_ms", "available_at_ms",
+    "source", "payload", "headers", "created_at_ms",
 )
 
 
@@ -199,7 +207,12 @@ def _insert_statement(postgres: bool) -> ClauseElement:
     """``INSERT … ON CONFLICT (event_id) DO NOTHING RETURNING seq`` with bind parameters. On
     PostgreSQL the insert is a CTE selected together with ``pg_notify`` (queued in the
     transaction, delivered only on commit), still one round trip."""
-    values = {name: bindparam(name, type_=outbox.c[name].type) for name in _COLUMNS}
+    values: dict[str, Any] = {
+        name: bindparam(name, type_=outbox.c[name].type) for name in _COLUMNS
+    }
+    # Delivery order is decided by times of one clock, the database's (a producer host whose
+    # clock is off must not delay an event behind a later one of its aggregate).
+    values["available_at_ms"] = db_now_ms(postgres) + bindparam("delay_ms", type_=BigInteger())
     if not postgres:
         return (
             sqlite.insert(outbox)

@@ -1,14 +1,25 @@
-"""Every Redis command of the relay: pipelined ``XADD`` with explicit ids and its verdicts.
+"""Every Redis command of the relay: the batch append script, its verdicts, the barrier.
 
-``append`` sends one partition's batch as a non-transactional pipeline and sorts each row into
-``delivered`` (Redis holds it under its id), ``gaps`` (its id fell behind the stream's top and
-the entry is not there: it must be republished at the top) or ``failed`` (an error to retry).
+``append`` sends one partition's batch as one server-side script call per stream key
+(:data:`SCRIPT`, run with ``EVALSHA``; several keys go in one pipeline). The script first
+checks the stream's fence (:data:`relay.fence.PRELUDE`: a relay whose lease epoch is below the
+fence cannot append at all), then appends the entries in order and stops at the first one Redis
+refuses: a batch lands as a **prefix** per stream, so a later row never overtakes an earlier
+refused one (the rows after the refusal wait, pending, and go out behind it in a later batch).
+Every row comes back sorted into ``delivered`` (Redis holds it under its id: just added, or
+already there from an earlier attempt of the same batch), ``gaps`` (its id fell behind the
+stream's top and the entry is not there: it is republished at the top), ``failed`` (refused,
+with our error code) or ``not_appended`` (after the stop; known not to be there).
+
 A connection error or timeout raises :class:`UnavailableError`: the outcome is unknown, nothing
-may be marked, and the retry with the same ids is what tells the cases apart.
+may be marked, and the retry with the same ids is what tells the cases apart (an entry that
+landed comes back "already", never twice). Moving the argument packing into one JSON argument
+decoded by Redis also takes redis-py's per-``XADD`` command building off the relay's CPU.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from dataclasses import dataclass, field
@@ -17,15 +28,77 @@ from typing import Any
 
 import redis
 
-from relay import entry_ids
+from relay import entry_ids, fence
 from relay.store import OutboxRow
 from shared import keys
 from shared.envelope import JSON_CONTENT_TYPE, SPECVERSION
+from shared.errors import UnavailableError
 from shared.redis_conn import translate_redis_errors
 
 log = logging.getLogger(__name__)
 
-TOO_SMALL = "equal or smaller than the target stream top item"
+# KEYS: stream, fence key. ARGV: epoch, JSON [[entry id, [field, value, ...]], ...], maxlen (0:
+# none). Reply: {stream top behind a gap or '', one status per entry}. Each refused XADD is
+# checked with XRANGE id id: the same event already there (an earlier attempt of this batch
+# landed) is "already"; otherwise the script stops appending, and checks each remaining entry
+# the same way so none that landed before is re-claimed under a new id (it would land twice).
+_BODY = """
+local entries = cjson.decode(ARGV[2])
+local maxlen = ARGV[3]
+local function present(entry)
+  local found = redis.pcall('XRANGE', KEYS[1], entry[1], entry[1])
+  if type(found) ~= 'table' or found.err or #found == 0 then return false end
+  local stored, fields = found[1][2], entry[2]
+  local wanted
+  for i = 1, #fields, 2 do
+    if fields[i] == 'id' then wanted = fields[i + 1] end
+  end
+  for i = 1, #stored, 2 do
+    if stored[i] == 'id' then return stored[i + 1] == wanted end
+  end
+  return false
+end
+local function top()
+  local info = redis.pcall('XINFO', 'STREAM', KEYS[1])
+  if type(info) ~= 'table' or info.err then return '' end
+  for i = 1, #info, 2 do
+    if info[i] == 'last-generated-id' then return info[i + 1] end
+  end
+  return ''
+end
+local out = {''}
+local stopped = false
+for i, entry in ipairs(entries) do
+  local status
+  if stopped then
+    status = present(entry) and 'already' or 'not_appended'
+  else
+    local added
+    if maxlen == '0' then
+      added = redis.pcall('XADD', KEYS[1], entry[1], unpack(entry[2]))
+    else
+      added = redis.pcall('XADD', KEYS[1], 'MAXLEN', '~', maxlen, entry[1], unpack(entry[2]))
+    end
+    if type(added) ~= 'table' or not added.err then
+      status = 'added'
+    elseif present(entry) then
+      status = 'already'
+    else
+      stopped = true
+      if string.find(added.err, 'equal or smaller than the target stream top item', 1, true) then
+        status = 'gap'
+        out[1] = top()
+      else
+        status = 'failed:' .. added.err
+      end
+    end
+  end
+  out[i + 1] = status
+end
+return out
+"""
+SCRIPT = fence.PRELUDE + _BODY
+SCRIPT_SHA = hashlib.sha1(SCRIPT.encode()).hexdigest()
 
 
 @dataclass
@@ -36,7 +109,13 @@ class Verdicts:
     already: int = 0
     gaps: list[int] = field(default_factory=list)
     failed: list[tuple[int, str]] = field(default_factory=list)
+    not_appended: list[int] = field(default_factory=list)  # behind a stop in their stream
     stream_top: str | None = None  # highest last-generated id seen behind a gap
+
+    @property
+    def complete(self) -> bool:
+        """Whether every row is in its stream (no gap, refusal or row left behind a stop)."""
+        return not (self.gaps or self.failed or self.not_appended)
 
 
 def to_fields(row: OutboxRow) -> dict[str, str]:
@@ -73,81 +152,126 @@ def to_fields(row: OutboxRow) -> dict[str, str]:
 
 
 def append(
-    client: redis.Redis, prefix: str, rows: list[OutboxRow], maxlen: int = 0
+    client: redis.Redis, prefix: str, rows: list[OutboxRow], epoch: int, maxlen: int = 0
 ) -> Verdicts:
-    """``XADD key <entry id> fields…`` for each row, pipelined; classify every answer."""
+    """Append a partition's batch (rows in id order) with :data:`SCRIPT`, one call per stream
+    key, under the fence of lease ``epoch``; classify every row.
+
+    Raises :class:`LeaseLostError` when a stream's fence is above ``epoch`` (nothing of that
+    stream was written) and :class:`UnavailableError` when the outcome is unknown.
+    """
     verdicts = Verdicts()
     if not rows:
         return verdicts
+    subs: dict[str, list[OutboxRow]] = {}
+    for row in rows:
+        subs.setdefault(keys.stream_key(prefix, row.stream, row.partition), []).append(row)
+    calls = [_call_args(prefix, sub, epoch, maxlen) for sub in subs.values()]
     with translate_redis_errors():
-        pipe = client.pipeline(transaction=False)
-        for row in rows:
-            key = keys.stream_key(prefix, row.stream, row.partition)
-            pipe.xadd(
-                key,
-                to_fields(row),  # type: ignore[arg-type]
-                id=row.entry_id,
-                maxlen=maxlen or None,
-                approximate=True,
-            )
-        answers = pipe.execute(raise_on_error=False)
-        for row, answer in zip(rows, answers, strict=True):
-            _classify(client, prefix, row, answer, verdicts)
+        answers = _run(client, calls)
+        for sub, answer in zip(subs.values(), answers, strict=True):
+            _classify(sub, answer, verdicts)
     return verdicts
 
 
-def _classify(
-    client: redis.Redis, prefix: str, row: OutboxRow, answer: object, verdicts: Verdicts
-) -> None:
-    if not isinstance(answer, Exception):
-        verdicts.delivered.append((row.seq, row.entry_id))
+def _call_args(prefix: str, sub: list[OutboxRow], epoch: int, maxlen: int) -> tuple[Any, ...]:
+    first = sub[0]
+    batch = [[r.entry_id, [x for kv in to_fields(r).items() for x in kv]] for r in sub]
+    return (
+        keys.stream_key(prefix, first.stream, first.partition),
+        keys.fence_key(prefix, first.stream, first.partition),
+        epoch,
+        json.dumps(batch, ensure_ascii=False, separators=(",", ":")),
+        maxlen,
+    )
+
+
+def _run(client: redis.Redis, calls: list[tuple[Any, ...]]) -> list[Any]:
+    """``EVALSHA`` each call (one pipeline); load the script where Redis does not have it."""
+    if len(calls) == 1:
+        answers: list[Any] = [_evalsha(client, calls[0])]
+    else:
+        pipe = client.pipeline(transaction=False)
+        for args in calls:
+            pipe.evalsha(SCRIPT_SHA, 2, *args)
+        answers = pipe.execute(raise_on_error=False)
+    for i, answer in enumerate(answers):
+        if isinstance(answer, redis.exceptions.NoScriptError):
+            client.script_load(SCRIPT)
+            answers[i] = _evalsha(client, calls[i])
+    return answers
+
+
+def _evalsha(client: redis.Redis, args: tuple[Any, ...]) -> Any:
+    """One call; a refusal of the whole call (not a connection error) comes back as a value."""
+    try:
+        return client.evalsha(SCRIPT_SHA, 2, *args)
+    except (redis.ConnectionError, redis.TimeoutError):
+        raise
+    except redis.ResponseError as err:
+        return err
+
+
+def _classify(sub: list[OutboxRow], answer: Any, verdicts: Verdicts) -> None:
+    if isinstance(answer, Exception):
+        _refused_call(sub, answer, verdicts)
         return
-    if isinstance(answer, redis.ResponseError) and TOO_SMALL in str(answer):
-        if already_there(client, prefix, row):
+    top, *statuses = (a.decode() if isinstance(a, bytes) else str(a) for a in answer)
+    for row, status in zip(sub, statuses, strict=True):
+        if status in ("added", "already"):
             verdicts.delivered.append((row.seq, row.entry_id))
-            verdicts.already += 1
-        else:
+            verdicts.already += status == "already"
+        elif status == "not_appended":
+            verdicts.not_appended.append(row.seq)
+        elif status == "gap":
             log.warning("ordering gap: event %s republished at the stream top", row.event_id)
             verdicts.gaps.append(row.seq)
-            top = last_generated_id(client, keys.stream_key(prefix, row.stream, row.partition))
             if top and (verdicts.stream_top is None or entry_ids.greater(top, verdicts.stream_top)):
                 verdicts.stream_top = top
-        return
-    if isinstance(answer, redis.ConnectionError | redis.TimeoutError):
-        raise answer
-    code = _error_code(answer)
-    log.warning("append of event %s failed: %s", row.event_id, code)
-    verdicts.failed.append((row.seq, code))
+        else:
+            code = error_code(status.removeprefix("failed:"))
+            log.warning("append of event %s failed: %s", row.event_id, code)
+            verdicts.failed.append((row.seq, code))
 
 
-def last_generated_id(client: redis.Redis, key: str) -> str | None:
-    """The id Redis compares explicit ids against (it survives ``XDEL`` of the top entry)."""
-    info: Any = client.xinfo_stream(key)
-    value = info.get("last-generated-id") or info.get(b"last-generated-id")
-    return value.decode() if isinstance(value, bytes) else value
+def _refused_call(sub: list[OutboxRow], err: Exception, verdicts: Verdicts) -> None:
+    """Redis refused the whole script call (before it ran: ACL on EVALSHA, BUSY, LOADING …).
+
+    A fresh batch was never sent before, so none of its rows is in Redis: the first is failed
+    and the rest wait. A retried batch may have landed in an earlier attempt: only the retry by
+    id can tell, so the outcome is unknown (:class:`UnavailableError`).
+    """
+    if isinstance(err, redis.ResponseError):
+        lost = fence.fenced_out(err)
+        if lost is not None:
+            raise lost
+    if isinstance(err, redis.ConnectionError | redis.TimeoutError):
+        raise err
+    code = error_code(err)
+    if any(r.retry for r in sub):
+        raise UnavailableError(f"Redis refused the append of a retried batch ({code})")
+    log.warning("append of %d events refused: %s", len(sub), code)
+    verdicts.failed.append((sub[0].seq, code))
+    verdicts.not_appended.extend(r.seq for r in sub[1:])
 
 
-def already_there(client: redis.Redis, prefix: str, row: OutboxRow) -> bool:
-    """``XRANGE key id id``: is this exact event already stored under its entry id?"""
-    key = keys.stream_key(prefix, row.stream, row.partition)
-    found = client.xrange(key, row.entry_id, row.entry_id)
-    if not found:
-        return False
-    _id, fields = found[0]
-    return bool(fields and fields.get(b"id") == row.event_id.encode("utf-8"))
-
-
-def _error_code(answer: object) -> str:
-    if isinstance(answer, redis.exceptions.NoPermissionError):  # redis-py strips "NOPERM"
+def error_code(answer: object) -> str:
+    """Our code for a Redis refusal (an exception, or an error text from the script)."""
+    # redis-py strips the prefix of the errors it has a class for ("OOM", "NOPERM", ...)
+    if isinstance(answer, redis.exceptions.NoPermissionError):
         return "redis_acl"
+    if isinstance(answer, redis.exceptions.OutOfMemoryError):
+        return "redis_oom"
+    if isinstance(answer, redis.exceptions.ReadOnlyError | redis.exceptions.BusyLoadingError):
+        return "redis_not_ready"
     text = str(answer)
     if text.startswith("OOM"):
         return "redis_oom"
-    if text.startswith(("NOPERM", "NOAUTH")):
+    if text.startswith(("NOPERM", "NOAUTH")) or "no permissions" in text:
         return "redis_acl"
     if text.startswith("WRONGTYPE"):
         return "redis_wrongtype"
-    if text.startswith(("READONLY", "MASTERDOWN", "LOADING")):
+    if text.startswith(("READONLY", "MASTERDOWN", "LOADING", "BUSY")):
         return "redis_not_ready"
     return "redis_error"
 

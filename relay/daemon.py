@@ -1,11 +1,14 @@
 """The relay loop: own partitions, claim → append → settle, repeat.
 
 One round per owned partition: :func:`relay.store.claim` (one short transaction) →
-:func:`relay.append.append` (one pipeline, no transaction open) → optional durability barrier →
-:func:`relay.store.settle` (one short transaction, fenced by the lease epoch, which also claims
-the batch after the one in flight). Failures of Redis or the database back off exponentially
-with jitter; nothing is marked while the outcome is unknown. ``SIGTERM``/``SIGINT`` let the
-in-flight round finish, release the leases, exit 0.
+:func:`relay.append.append` (one script call per stream, fenced by the lease epoch in Redis, no
+transaction open) → optional durability barrier → :func:`relay.store.settle` (one short
+transaction, fenced by the lease epoch, which also claims the batch after the one in flight).
+A batch that does not land whole (a gap, a refusal) ends the partition's round: the batch
+claimed after it is never appended, and the next round claims again from the lowest pending
+row, so no row of an aggregate overtakes an earlier one. Failures of Redis or the database back
+off exponentially with jitter; nothing is marked while the outcome is unknown.
+``SIGTERM``/``SIGINT`` let the in-flight round finish, release the leases, exit 0.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ class RelayStats:
     already_present: int = 0
     ordering_gaps: int = 0
     failed: int = 0
+    not_appended: int = 0  # rows left behind a gap or refusal in their stream (claimed again)
     unknown_outcomes: int = 0
     lease_losses: int = 0
 
@@ -150,13 +154,18 @@ class Relay:
         """Claim, append and settle batches of one partition; True if there may be more.
 
         Database and Redis work overlap, and the steady state is one transaction per batch:
-        while batch N+1's ``XADD`` pipeline is in flight (on the append thread), one
+        while batch N+1's append script is in flight (on the append thread), one
         transaction settles batch N and claims batch N+2 (rows after N+1's last seq, under
         ids above N+1's). At most one batch of a partition is in flight, so entries reach the
         stream in id order; no transaction is open during a Redis call; every claim and settle
         is fenced by the epoch; claimed batches are recorded on the lease row before their
         ``XADD``, so any retry uses the same ids. The chain stops claiming after a short time
         budget so the other partitions get their round.
+
+        Order per aggregate: a claim holds back any row with an earlier undelivered row of its
+        aggregate outside the batch in flight (:func:`relay.store.claim`), and the batch after
+        one that did not land whole is never appended (it was claimed assuming the one in
+        flight would land): that batch's settle forgets it and ends the round.
         """
         s = self.settings
         current = self._claim(partition, epoch, None)
@@ -174,18 +183,22 @@ class Relay:
             )
 
         if not chained(current):  # nothing to overlap with: append inline
-            verdicts = self._finish(_Append(self, current), current)
+            verdicts = self._finish(_Append(self, current, epoch), current)
             self._settle(partition, epoch, current, verdicts, None)
             return self._more(current, verdicts)
-        flight: _Append | None = _Append(self, current).start()
-        following = self._claim(partition, epoch, _last_seq(current))
+        flight: _Append | None = _Append(self, current, epoch).start()
+        following = self._claim(partition, epoch, _last_seq(current), inflight=current)
         try:
             while True:
                 assert flight is not None
                 verdicts = self._finish(flight, current)
-                flight = _Append(self, following).start() if following else None
+                flight = None
+                if not verdicts.complete:  # `following` must not overtake what is left behind
+                    self._settle(partition, epoch, current, verdicts, None)
+                    return self._more(current, verdicts)
+                flight = _Append(self, following, epoch).start() if following else None
                 after = _last_seq(following) if following and chained(following) else None
-                claimed = self._settle(partition, epoch, current, verdicts, after)
+                claimed = self._settle(partition, epoch, current, verdicts, after, following)
                 more = self._more(current, verdicts)
                 if flight is None:
                     return more
@@ -195,23 +208,38 @@ class Relay:
                 flight.wait_quietly()
 
     def _more(self, rows: list[store.OutboxRow], verdicts: append.Verdicts) -> bool:
-        """Whether the partition may have more work right away after this batch."""
-        return len(rows) >= self.settings.batch_size or bool(verdicts.gaps) or rows[0].retry
+        """Whether the partition may have more work right away after this batch (not after a
+        refusal: Redis refusing now, OOM or ACL, would refuse a hot retry too)."""
+        if verdicts.failed:
+            return False
+        return (
+            len(rows) >= self.settings.batch_size
+            or bool(verdicts.gaps or verdicts.not_appended)
+            or rows[0].retry
+        )
 
-    def _claim(self, partition: int, epoch: int, after_seq: int | None) -> list[store.OutboxRow]:
+    def _claim(
+        self,
+        partition: int,
+        epoch: int,
+        after_seq: int | None,
+        inflight: list[store.OutboxRow] | None = None,
+    ) -> list[store.OutboxRow]:
         s = self.settings
         rows = store.claim(
             self.engine, partition, self.node_id, epoch, s.batch_size, s.lease_ttl_ms, now_ms(),
-            after_seq=after_seq,
+            after_seq=after_seq, inflight=[r.seq for r in inflight or ()],
         )
         if rows:
             faults.point("relay.after_claim")
         return rows
 
-    def _append(self, rows: list[store.OutboxRow]) -> tuple[append.Verdicts, bool]:
-        """The Redis side of a batch: pipelined XADD, then the optional durability barrier."""
+    def _append(
+        self, rows: list[store.OutboxRow], epoch: int
+    ) -> tuple[append.Verdicts, bool]:
+        """The Redis side of a batch: the append script, then the optional durability barrier."""
         s = self.settings
-        verdicts = append.append(self.client, s.key_prefix, rows, s.stream_maxlen)
+        verdicts = append.append(self.client, s.key_prefix, rows, epoch, s.stream_maxlen)
         confirmed = not verdicts.delivered or append.durability_barrier(
             self.client, s.wait_replicas, s.wait_timeout_ms, s.wait_aof
         )
@@ -240,19 +268,24 @@ class Relay:
         rows: list[store.OutboxRow],
         verdicts: append.Verdicts,
         claim_after: int | None,
+        inflight: list[store.OutboxRow] | None = None,
     ) -> list[store.OutboxRow]:
-        """Settle a batch; with ``claim_after``, claim the next one in the same transaction."""
+        """Settle a batch; with ``claim_after``, claim the next one in the same transaction
+        (``inflight``: the batch appended meanwhile). A batch that did not land whole drops
+        every recorded batch (the one claimed after it was never appended)."""
         s = self.settings
         claimed = store.settle(
             self.engine, partition, self.node_id, epoch, s.lease_ttl_ms, now_ms(),
             delivered=verdicts.delivered, gaps=verdicts.gaps, failed=verdicts.failed,
             stream_top=verdicts.stream_top, claim_after=claim_after, batch_size=s.batch_size,
+            inflight=[r.seq for r in inflight or ()], drop_recorded=not verdicts.complete,
         )
         faults.point("relay.after_mark")
         self.stats.delivered += len(verdicts.delivered)
         self.stats.already_present += verdicts.already
         self.stats.ordering_gaps += len(verdicts.gaps)
         self.stats.failed += len(verdicts.failed)
+        self.stats.not_appended += len(verdicts.not_appended)
         if claimed:
             faults.point("relay.after_claim")
         return claimed
@@ -299,8 +332,8 @@ class _Append:
     batch's ``result``.
     """
 
-    def __init__(self, relay: Relay, rows: list[store.OutboxRow]) -> None:
-        self._relay, self._rows = relay, rows
+    def __init__(self, relay: Relay, rows: list[store.OutboxRow], epoch: int) -> None:
+        self._relay, self._rows, self._epoch = relay, rows, epoch
         self._future: Future[None] | None = None
         self._outcome: tuple[append.Verdicts, bool] | None = None
         self._error: BaseException | None = None
@@ -311,7 +344,7 @@ class _Append:
 
     def _run(self) -> None:
         try:
-            self._outcome = self._relay._append(self._rows)
+            self._outcome = self._relay._append(self._rows, self._epoch)
         except BaseException as err:  # handed to the relay thread by result()
             self._error = err
 

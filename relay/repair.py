@@ -1,4 +1,4 @@
-"""Broker data-loss repair: refill a stream from the outbox under the original entry ids.
+"""Broker data-loss repair: put lost entries back from the outbox under their original ids.
 
 Redis can lose acknowledged writes: a restart without persistence (everything gone), an AOF
 that had not reached the disk, a failover to a lagging replica. The outbox still knows every
@@ -9,51 +9,48 @@ delivered row and the entry id Redis accepted it under, so a stream is *behind* 
 * it has added fewer entries over its life (``XINFO STREAM`` ``entries-added``) than the outbox
   delivered to it: this catches a loss that was followed by newer appends.
 
-Two repairs, both under the partition lease, and neither can create a duplicate:
+Two repairs. Both write only through fenced scripts (:mod:`relay.repair_streams`): a relay
+whose partition was taken over changes nothing and gets :class:`LeaseLostError`, checked in
+Redis atomically with each write. Neither creates a duplicate, removes an entry it did not put
+there, or loses a consumer group:
 
 * **refill** when nothing at or below the stream's top is missing: ``XADD`` every delivered row
-  above the top, in entry id order, with its original id. Redis refuses any id that is not above
-  the top, so a row cannot land twice; groups and their pending lists survive.
-* **rebuild** otherwise (newer entries were appended after the loss): in one ``MULTI``/``EXEC``,
-  ``DEL`` the stream and ``XADD`` every delivered row in id order, then ``XSETID … ENTRIESADDED``.
-  Consumer groups go with the old stream; consumers recreate them from ``0`` on ``NOGROUP`` and
-  their inboxes absorb what they had applied. A row that was appended but not yet marked is
-  appended again by the relay later (its id is then behind the top: an ordering gap, republished
-  at the top), never twice in the stream.
+  above the top, in entry id order, with its original id, ``chunk`` rows per script. Redis
+  refuses any id that is not above the top, so a row cannot land twice; groups and their
+  pending lists are untouched.
+* **rebuild** otherwise (newer entries were appended after the loss): the outbox's delivered
+  rows and the entries the stream holds now are merged in id order (one entry per id, the
+  stream's own copy kept) into a temporary key, ``chunk`` entries per script; one last script
+  checks the stream did not change meanwhile, moves every consumer group with its pending
+  entries list onto the rebuilt stream and swaps it in. A group that had read past a restored
+  entry is rewound to just before it, so the restored entries are delivered to it.
 
-All of the repair's Redis commands are in this module; its SQL is in :mod:`relay.store`.
+Its SQL is in :mod:`relay.store`, its Redis commands in :mod:`relay.repair_streams`.
 """
 
 from __future__ import annotations
 
+import heapq
 import logging
 import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import redis
 from sqlalchemy import Engine
 
 from relay import append, entry_ids, store
+from relay import repair_streams as streams
+from relay.repair_streams import Entry, StreamState
 from shared import keys
 from shared.db import now_ms
 from shared.errors import LeaseLostError
-from shared.redis_conn import translate_redis_errors
 from shared.settings import RelaySettings
 
 log = logging.getLogger(__name__)
 
 REPAIR_INTERVAL_S = 5.0
-
-
-@dataclass(frozen=True)
-class StreamState:
-    """What Redis says about one partition stream (all zero when the key is missing)."""
-
-    exists: bool
-    length: int = 0
-    top: str = entry_ids.ZERO
-    entries_added: int = 0
+CHUNK = 500  # entries per script: a few ms of Redis time, far below any lease
 
 
 @dataclass(frozen=True)
@@ -63,6 +60,7 @@ class Finding:
     stream: str
     partition: int
     key: str
+    fence: str
     delivered: int
     newest: str | None
     state: StreamState
@@ -71,29 +69,18 @@ class Finding:
 
 @dataclass
 class RepairStats:
-    """Counters since start: checks, streams found behind, entries appended back."""
+    """Counters since start: checks, streams found behind, entries appended back; rebuilds
+    dropped because the stream changed meanwhile (retried at the next check); repairs refused
+    by the fence."""
 
     checks: int = 0
     behind: int = 0
     refills: int = 0
     rebuilds: int = 0
     repaired_entries: int = 0
+    changed: int = 0
+    fenced: int = 0
     findings: list[Finding] = field(default_factory=list)
-
-
-def stream_state(client: redis.Redis, key: str) -> StreamState:
-    """``XINFO STREAM`` reduced to what the comparison needs."""
-    with translate_redis_errors():
-        if not client.exists(key):
-            return StreamState(exists=False)
-        info: Any = client.xinfo_stream(key)
-    top = info.get("last-generated-id", entry_ids.ZERO)
-    return StreamState(
-        exists=True,
-        length=int(info.get("length", 0)),
-        top=top.decode() if isinstance(top, bytes) else str(top),
-        entries_added=int(info.get("entries-added", info.get("length", 0))),
-    )
 
 
 def compare(
@@ -101,7 +88,7 @@ def compare(
 ) -> Finding:
     """Compare one stream with what the outbox delivered to it; say why it is behind."""
     key = keys.stream_key(prefix, stream, partition)
-    state = stream_state(client, key)
+    state = streams.stream_state(client, key)
     newest = store.newest_delivered_id(engine, stream, partition) if delivered else None
     reason = None
     if delivered and not state.exists:
@@ -110,55 +97,103 @@ def compare(
         reason = "top_behind"
     elif state.entries_added < delivered:
         reason = "entries_lost"
-    return Finding(stream, partition, key, delivered, newest, state, reason)
+    fence = keys.fence_key(prefix, stream, partition)
+    return Finding(stream, partition, key, fence, delivered, newest, state, reason)
 
 
 def repair(
-    engine: Engine, client: redis.Redis, finding: Finding, maxlen: int = 0
+    engine: Engine, client: redis.Redis, finding: Finding, *, epoch: int, maxlen: int = 0,
+    chunk: int = CHUNK,
 ) -> tuple[str, int]:
-    """Bring one behind stream back in step; returns ``("refill"|"rebuild", entries added)``.
+    """Bring one behind stream back in step as the owner of ``epoch``.
 
-    The caller holds the partition lease. A refill that meets an id at or below the top (a
-    stale relay appended meanwhile) falls back to a rebuild.
+    Returns ``("refill" | "rebuild", entries put back)``, or ``("changed", n)`` when the stream
+    changed during a rebuild (nothing replaced, ``n`` refilled before it; the next check starts
+    over). Raises
+    :class:`LeaseLostError`, having changed nothing since its last completed chunk, when a
+    newer owner raised the fence. A refill that meets an id at or below the top (appended
+    meanwhile) falls back to a rebuild.
     """
     top = finding.state.top
     above = store.delivered_rows(engine, finding.stream, finding.partition, after=top)
     at_or_below = finding.delivered - len(above)
     present = finding.state.entries_added if maxlen else finding.state.length
+    added = 0
     if present >= at_or_below:
-        added = _refill(client, finding.key, above)
+        added = refill(client, finding, epoch, above, chunk)
         if added == len(above):
             return "refill", added
     rows = store.delivered_rows(engine, finding.stream, finding.partition)
-    return "rebuild", _rebuild(client, finding.key, rows, maxlen)
+    restored = rebuild(client, finding, epoch, rows, maxlen, chunk)
+    return ("changed", added) if restored is None else ("rebuild", added + restored)
 
 
-def _refill(client: redis.Redis, key: str, rows: list[store.OutboxRow]) -> int:
-    with translate_redis_errors():
-        pipe = client.pipeline(transaction=False)
-        for row in rows:
-            pipe.xadd(key, append.to_fields(row), id=row.entry_id)  # type: ignore[arg-type]
-        answers = pipe.execute(raise_on_error=False)
-    for answer in answers:
-        if isinstance(answer, redis.ConnectionError | redis.TimeoutError):
-            raise answer
-    return sum(1 for a in answers if not isinstance(a, Exception))
+def refill(
+    client: redis.Redis, finding: Finding, epoch: int, rows: Sequence[store.OutboxRow],
+    chunk: int = CHUNK,
+) -> int:
+    """Append ``rows`` (above the top, in id order) in fenced chunks; how many landed.
+
+    Stops at the first refused row: what landed is a prefix of ``rows``.
+    """
+    added = 0
+    for start in range(0, len(rows), chunk):
+        part = [(r.entry_id, _flat(r)) for r in rows[start : start + chunk]]
+        landed, refusal = streams.refill(client, finding.key, finding.fence, epoch, part)
+        added += landed
+        if refusal:
+            log.info("refill of %s stopped at %s: %s", finding.key, part[landed][0], refusal)
+            break
+    return added
 
 
-def _rebuild(client: redis.Redis, key: str, rows: list[store.OutboxRow], maxlen: int) -> int:
-    keep = rows[-maxlen:] if maxlen else rows
-    with translate_redis_errors():
-        pipe = client.pipeline(transaction=True)
-        pipe.delete(key)
-        for row in keep:
-            pipe.xadd(key, append.to_fields(row), id=row.entry_id)  # type: ignore[arg-type]
-        if keep:
-            pipe.execute_command(  # type: ignore[no-untyped-call]
-                "XSETID", key, keep[-1].entry_id, "ENTRIESADDED", len(rows)
-            )
-        pipe.execute()
-    return len(keep)
+def rebuild(
+    client: redis.Redis, finding: Finding, epoch: int, rows: Sequence[store.OutboxRow],
+    maxlen: int = 0, chunk: int = CHUNK,
+) -> int | None:
+    """Rebuild the stream from ``rows`` (all delivered, in id order) and its own entries.
 
+    Returns the entries restored (not in the stream before), or None when the stream changed
+    before the swap. With ``maxlen`` only the newest ``maxlen`` entries are restored; no entry
+    the stream holds is dropped.
+    """
+    before = streams.begin_rebuild(client, finding.key, finding.fence, epoch)
+    current = streams.read_entries(client, finding.key, before.top, chunk) if before.exists else []
+    merged = merge(rows, current)
+    cut = len(merged) - maxlen if maxlen else 0
+    keep = [e for i, e in enumerate(merged) if i >= cut or not e.restored]
+    for start in range(0, len(keep), chunk):
+        streams.add_to_rebuild(client, finding.key, finding.fence, epoch,
+                               keep[start : start + chunk])
+    first = next((i for i, e in enumerate(merged) if e.restored and i >= cut), None)
+    moved = streams.swap(
+        client, finding.key, finding.fence, epoch, before,
+        length=len(keep),
+        top=max(before.top, keep[-1].id if keep else entry_ids.ZERO, key=entry_ids.parse),
+        entries_added=max(before.entries_added, len(merged)),
+        first_restored="" if first is None else merged[first].id,
+        rewind_to=merged[first - 1].id if first else entry_ids.ZERO,
+    )
+    if moved is None:
+        log.warning("rebuild of %s dropped: the stream changed meanwhile", finding.key)
+        return None
+    log.info("rebuild of %s kept %d groups and %d pending entries", finding.key, *moved)
+    return sum(1 for e in keep if e.restored)
+
+
+def merge(rows: Iterable[store.OutboxRow], current: Iterable[Entry]) -> list[Entry]:
+    """Delivered ``rows`` and the stream's ``current`` entries (both in id order) as one list
+    in id order, one entry per id: the stream's own copy wins over the outbox's."""
+    restored = (Entry(r.entry_id, _flat(r), restored=True) for r in rows)
+    out: list[Entry] = []
+    for entry in heapq.merge(current, restored, key=lambda e: entry_ids.parse(e.id)):
+        if not out or out[-1].id != entry.id:
+            out.append(entry)
+    return out
+
+
+def _flat(row: store.OutboxRow) -> list[bytes | str]:
+    return [part for pair in append.to_fields(row).items() for part in pair]
 
 class Repairer:
     """Runs the check on the relay's own partitions: at start, then every ``interval_s``."""
@@ -205,7 +240,13 @@ class Repairer:
             except LeaseLostError:
                 log.warning("repair of %s skipped: partition lease lost", finding.key)
                 continue
-            how, n = repair(self.engine, self.client, finding, s.stream_maxlen)
+            try:
+                how, n = repair(self.engine, self.client, finding, epoch=leases[partition],
+                                maxlen=s.stream_maxlen)
+            except LeaseLostError:
+                self.stats.fenced += 1
+                log.warning("repair of %s stopped: a newer relay owns the stream", finding.key)
+                continue
             self._record(finding, how, n)
             added += n
         return added
@@ -213,7 +254,9 @@ class Repairer:
     def _record(self, finding: Finding, how: str, n: int) -> None:
         self.stats.behind += 1
         self.stats.repaired_entries += n
-        if how == "refill":
+        if how == "changed":
+            self.stats.changed += 1
+        elif how == "refill":
             self.stats.refills += 1
         else:
             self.stats.rebuilds += 1

@@ -7,18 +7,22 @@ and fencing epoch in the same transaction, so a relay that lost its lease cannot
 
 from __future__ import annotations
 
+import functools
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
 from sqlalchemy import (
     BigInteger,
+    ColumnElement,
     Connection,
     Engine,
+    Integer,
     String,
     bindparam,
+    cast,
     column,
     delete,
     func,
@@ -29,7 +33,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects import postgresql, sqlite
 
 from relay import entry_ids
-from shared.db import is_postgres, json_recordset, now_ms, translate_errors
+from shared.db import db_now_ms, is_postgres, json_recordset, now_ms, translate_errors
 from shared.errors import LeaseLostError
 from shared.schema import outbox, relay_leases, relay_nodes
 
@@ -195,12 +199,15 @@ def _check_lease(
 def _fence(
     conn: Connection, partition: int, node_id: str, epoch: int, now: int, ttl_ms: int,
     *, pending: tuple[Any, ...] | None = None,
-) -> tuple[str, list[Batch]] | None:
-    """Fence and extend our lease in one statement; the lease's last entry id and batches.
+) -> tuple[str, list[Batch], int] | None:
+    """Fence and extend our lease in one statement; the lease's last entry id and batches, and
+    the database's clock (:func:`shared.db.db_now_ms`), the one "now" of the transaction that
+    every availability test of it uses (a row that turns available between two statements
+    must not be a claimable row to one and not a delayed one to the other).
 
     ``UPDATE … WHERE <lease is ours> [AND (<batches recorded> OR EXISTS (<pending row>))]
-    RETURNING last_entry_id, inflight``. With ``pending``, an idle partition's claim writes
-    nothing (on SQLite, no WAL commit and fsync competing with producers for the write lock)
+    RETURNING last_entry_id, inflight, <db now>``. With ``pending``, an idle partition's claim
+    writes nothing (on SQLite, no WAL commit and fsync competing with producers for the write lock)
     and None comes back; the lease is still verified by a read (and extended by the relay's
     periodic :func:`acquire_leases`). Raises :class:`LeaseLostError` when fenced out.
     """
@@ -211,10 +218,11 @@ def _fence(
         )
     found = conn.execute(
         stmt.values(expires_at_ms=now + ttl_ms)
-        .returning(relay_leases.c.last_entry_id, relay_leases.c.inflight)
+        .returning(relay_leases.c.last_entry_id, relay_leases.c.inflight,
+                   db_now_ms(is_postgres(conn)))
     ).first()
     if found is not None:
-        return str(found[0]), _load_batches(found[1])
+        return str(found[0]), _load_batches(found[1]), int(found[2])
     if pending is None or conn.execute(
         select(relay_leases.c.partition).where(*_ours(partition, node_id, epoch, now))
     ).first() is None:
@@ -222,8 +230,12 @@ def _fence(
     return None
 
 
-def _pending(partition: int, now: int, after_seq: int | None) -> tuple[Any, ...]:
+def _pending(
+    partition: int, now: int | ColumnElement[int], after_seq: int | None
+) -> tuple[Any, ...]:
     """The claimable rows of a partition, in a form only the pending index serves in order.
+
+    ``now`` is the database's clock (a value the transaction read once, or the expression).
 
     ``partition BETWEEN p AND p`` rather than ``partition = p``, with ``ORDER BY partition,
     seq`` (:data:`_IN_ORDER`): with an equality, PostgreSQL may walk the primary key in seq
@@ -275,6 +287,7 @@ def claim(
     now: int,
     *,
     after_seq: int | None = None,
+    inflight: Sequence[int] = (),
 ) -> list[OutboxRow]:
     """Claim the next rows of a partition in ``seq`` order, each with its entry id.
 
@@ -282,29 +295,33 @@ def claim(
     row still records — claimed by an attempt whose outcome is unknown, this relay's or a
     previous owner's — come back first, as they are, under their recorded ids
     (``retry=True``), so their retry cannot duplicate. Otherwise up to ``batch_size`` pending
-    rows are claimed as a new batch whose ids ``<ms>-<seq>`` use an ``ms`` above every id
-    assigned before (the lease row remembers the last one), and the batch is recorded on the
-    lease row. ``after_seq`` skips rows up to that seq: the relay claims the next batch while
-    the previous one (still undelivered) is being appended. Raises :class:`LeaseLostError`
-    when fenced out.
+    rows, from the lowest, are claimed as a new batch whose ids ``<ms>-<seq>`` use an ``ms``
+    above every id assigned before (the lease row remembers the last one), and the batch is
+    recorded on the lease row. ``after_seq`` skips rows up to that seq: the relay claims the
+    next batch while the previous one (still undelivered, its seqs in ``inflight``) is being
+    appended. A row is held back while an earlier undelivered row of its aggregate is neither
+    in ``inflight`` nor ahead of it in the batch (:func:`_select_claimable`). Raises
+    :class:`LeaseLostError` when fenced out.
     """
     with translate_errors(), engine.begin() as conn:
         now = max(now, now_ms())  # the lock may have been waited for (SQLite)
-        pending = _pending(partition, now, after_seq)
         if after_seq is not None:
             lease = _fence(conn, partition, node_id, epoch, now, ttl_ms)
             assert lease is not None
-            return _claim_fresh(conn, partition, epoch, batch_size, pending, *lease)
-        lease = _fence(conn, partition, node_id, epoch, now, ttl_ms, pending=pending)
-        if lease is None:
+            last, batches, db_now = lease
+            return _claim_fresh(conn, partition, epoch, batch_size, db_now, last, batches,
+                                after_seq=after_seq, inflight=inflight)
+        pending = _pending(partition, db_now_ms(is_postgres(conn)), None)
+        found = _fence(conn, partition, node_id, epoch, now, ttl_ms, pending=pending)
+        if found is None:
             return []
-        last, batches = lease
+        last, batches, db_now = found
         if batches:
-            rows = _recorded_rows(conn, partition, batches, now)
+            rows = _recorded_rows(conn, partition, batches, db_now)
             if rows:
                 return rows
             batches = []  # their rows are gone: nothing left to retry
-        return _claim_fresh(conn, partition, epoch, batch_size, pending, last, batches,
+        return _claim_fresh(conn, partition, epoch, batch_size, db_now, last, batches,
                             force_write=True)
 
 
@@ -344,21 +361,28 @@ def _claim_fresh(
     partition: int,
     epoch: int,
     batch_size: int,
-    pending: tuple[Any, ...],
+    now: int,
     last: str,
     batches: list[Batch],
     *,
+    after_seq: int | None = None,
+    inflight: Sequence[int] = (),
     force_write: bool = False,
 ) -> list[OutboxRow]:
-    """Select a new batch after the recorded ones and record it (one lease-row write)."""
-    rows = conn.execute(
-        select(*_CLAIMED).where(*pending).order_by(*_IN_ORDER).limit(batch_size)
-    ).all() if batch_size > 0 else []
+    """Select a new batch after the recorded ones and record it (one lease-row write).
+
+    The record is the batch's runs of consecutive claimable rows, all under one ``ms``: a row
+    held back splits a run, so a retry of the record (:func:`_recorded_rows`) never includes it.
+    """
+    rows, runs = (
+        _select_claimable(conn, partition, batch_size, now, after_seq, inflight)
+        if batch_size > 0 else ([], [])
+    )
     new_last = last
     if rows:
-        batch = Batch(rows[0][0], rows[-1][0], entry_ids.batch_ms(last, now_ms()))
-        batches = [*batches, batch]
-        new_last = entry_ids.format_id(batch.ms, batch.last_seq)
+        ms = entry_ids.batch_ms(last, now_ms())
+        batches = [*batches, *(Batch(first, end, ms) for first, end in runs)]
+        new_last = entry_ids.format_id(ms, runs[-1][1])
     if rows or force_write:
         _record(conn, partition, epoch, batches, new_last)
     if not rows:
@@ -372,6 +396,113 @@ def _claim_fresh(
             legacy = True
             out.append(_new_row(*r[:12], r[12], True))
     return _by_id(out) if legacy else out
+
+
+# How many times a claim reads further when rows were held back (each read up to the rows
+# still missing): bounds the work when many rows wait behind one delayed or failed row.
+MAX_READS = 8
+SLACK = 64  # rows a read returns beyond the candidates wanted, for the blockers among them
+
+
+def _select_claimable(
+    conn: Connection,
+    partition: int,
+    limit: int,
+    now: int,
+    after_seq: int | None,
+    inflight: Sequence[int],
+) -> tuple[list[Any], list[tuple[int, int]]]:
+    """Up to ``limit`` pending rows after ``after_seq`` that may go out now, and their runs.
+
+    **A row never overtakes an earlier row of its aggregate** (same stream and aggregate type
+    and id): a candidate is held back while an undelivered row of its aggregate with a lower
+    seq exists that is neither ahead of it in this batch nor in ``inflight`` (the batch being
+    appended now, which goes out first and whose failure stops the chain). Such a **blocker**
+    is a delayed row (``available_at_ms`` after the database's ``now``), a row at or below
+    ``after_seq`` that committed after the chain passed its seq (on PostgreSQL seq order is
+    not commit order) or a row whose append failed; a held row blocks its own later rows in
+    turn. Rows without an aggregate id have no order to keep. Returns the rows (seq order)
+    and the ``(first seq, last seq)`` runs of consecutive claimed candidates.
+    """
+    claimed: list[Any] = []
+    runs: list[tuple[int, int]] = []
+    run: tuple[int, int] | None = None  # the open run: consecutive claimed candidates
+    blocked: set[tuple[Any, Any, Any]] = set()
+    floor = after_seq if after_seq is not None else -1
+    above = -1  # blockers are looked up among the rows after this seq
+    postgres = is_postgres(conn)
+    for _ in range(MAX_READS):
+        n = limit - len(claimed) + SLACK
+        params: dict[str, Any] = {"b_part": partition, "b_now": now, "b_floor": floor,
+                                  "b_above": above, "b_limit": n}
+        left_behind = after_seq is not None and above < after_seq
+        if left_behind:
+            params.update(b_after=after_seq, b_inflight=json.dumps(list(inflight)))
+        rows = conn.execute(_read_query(postgres, left_behind), params).all()
+        for r in rows:
+            key = (r[2], r[4], r[5])
+            if r[0] <= floor or r[13] > now:  # a blocker (the query returns no other rows)
+                blocked.add(key)
+            elif r[5] is not None and key in blocked:  # held back
+                if run is not None:
+                    runs.append(run)
+                    run = None
+            else:
+                claimed.append(r)
+                run = (r[0] if run is None else run[0], r[0])
+                if len(claimed) >= limit:
+                    break
+        if len(claimed) >= limit or len(rows) < n:
+            break
+        above = rows[-1][0]  # read on; never claim at or below after_seq (the batch in flight)
+        floor = max(floor, above)
+    if run is not None:
+        runs.append(run)
+    return claimed, runs
+
+
+@functools.cache
+def _read_query(postgres: bool, left_behind: bool) -> Any:
+    """One read of :func:`_select_claimable`, a statement built once (building it cost as
+    much as running it): in seq order, up to ``b_limit`` rows after ``b_above`` that are
+    either **candidates** (claimable: after ``b_floor`` and available) or **blockers** (with
+    an aggregate id, and delayed or, with ``left_behind``, at or below ``b_after`` and not in
+    the JSON array ``b_inflight``), each with its ``available_at_ms`` to tell them apart.
+
+    One scan of the pending index ``(partition, seq) WHERE delivered_at_ms IS NULL`` in
+    order (see :func:`_pending`), which stops after ``b_limit`` rows: it passes the batch in
+    flight (never returned) and every other pending row once.
+    """
+    part, now = bindparam("b_part", type_=Integer), bindparam("b_now", type_=BigInteger)
+    candidate = (outbox.c.seq > bindparam("b_floor", type_=BigInteger)) & (
+        outbox.c.available_at_ms <= now)
+    blocking: Any = outbox.c.available_at_ms > now
+    if left_behind:
+        after = bindparam("b_after", type_=BigInteger)
+        blocking = or_(blocking, (outbox.c.seq <= after) & outbox.c.seq.not_in(
+            _json_seqs(postgres)))
+    return (
+        select(*_CLAIMED, outbox.c.available_at_ms)
+        .where(
+            outbox.c.partition.between(part, part),
+            outbox.c.delivered_at_ms.is_(None),
+            outbox.c.seq > bindparam("b_above", type_=BigInteger),
+            or_(candidate, outbox.c.aggregate_id.is_not(None) & blocking),
+        )
+        .order_by(*_IN_ORDER)
+        .limit(bindparam("b_limit", type_=Integer))
+    )
+
+
+def _json_seqs(postgres: bool) -> Any:
+    """``SELECT`` the seqs of the JSON array parameter ``b_inflight`` (one constant statement
+    whatever their number)."""
+    if postgres:
+        given = cast(bindparam("b_inflight", type_=String), postgresql.JSON)
+        values = func.json_array_elements_text(given).table_valued("value")
+        return select(cast(values.c.value, BigInteger))
+    values = func.json_each(bindparam("b_inflight")).table_valued("value")
+    return select(values.c.value)
 
 
 def _record(
@@ -438,6 +569,8 @@ def settle(
     stream_top: str | None = None,
     claim_after: int | None = None,
     batch_size: int = 0,
+    inflight: Sequence[int] = (),
+    drop_recorded: bool = False,
 ) -> list[OutboxRow]:
     """Record what Redis said, in one transaction, only while our epoch is current.
 
@@ -448,14 +581,18 @@ def settle(
     id behind a gap, raises that floor). The settled batch's record leaves the lease row.
 
     With ``claim_after``, the same transaction also claims the next batch after that seq (as
-    :func:`claim` does) and returns it: the relay's steady state is one transaction per batch.
+    :func:`claim` does, ``inflight`` being the seqs of the batch appended meanwhile) and
+    returns it: the relay's steady state is one transaction per batch. ``drop_recorded``
+    forgets every recorded batch: the relay does so when a batch did not land whole, with the
+    next batch claimed but never appended (its ids were never used; its rows, like the ones
+    left behind, are claimed again in seq order under new ids).
     """
     settled = [s for s, _ in delivered] + gaps + [s for s, _ in failed]
     with translate_errors(), engine.begin() as conn:
         now = max(now, now_ms())  # the lock may have been waited for (SQLite)
         lease = _fence(conn, partition, node_id, epoch, now, ttl_ms)
         assert lease is not None
-        last, batches = lease
+        last, batches, db_now = lease
         if stream_top is not None and entry_ids.greater(stream_top, last):
             last = stream_top
         if delivered:
@@ -474,13 +611,12 @@ def settle(
                 [{"b_seq": s, "b_error": c} for s, c in failed],
             )
         through = max(settled, default=-1)
-        batches = [b for b in batches if b.first_seq > through]
+        batches = [] if drop_recorded else [b for b in batches if b.first_seq > through]
         if claim_after is None:
             _record(conn, partition, epoch, batches, last)
             return []
-        pending = _pending(partition, now, claim_after)
-        return _claim_fresh(conn, partition, epoch, batch_size, pending, last, batches,
-                            force_write=True)
+        return _claim_fresh(conn, partition, epoch, batch_size, db_now, last, batches,
+                            after_seq=claim_after, inflight=inflight, force_write=True)
 
 
 def record_unknown(engine: Engine, partition: int, seqs: list[int], code: str) -> None:

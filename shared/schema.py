@@ -123,3 +123,27 @@ relay_nodes = Table(
     Column("node_id", String(128), primary_key=True),
     Column("expires_at_ms", BigInteger, nullable=False),
 )
+
+consumer_leases = Table(
+    "outbox_consumer_leases",
+    metadata,
+    # One row per consumer group and partition stream: the one consumer that reads it, and the
+    # fencing epoch its claim transactions re-check (consumer/ownership.py).
+    Column("group_name", String(64), nullable=False),
+    Column("stream", String(64), nullable=False),
+    Column("partition", Integer, nullable=False, autoincrement=False),
+    Column("owner", String(128)),
+    Column("epoch", BigInteger, nullable=False),
+    Column("expires_at_ms", BigInteger, nullable=False),
+    PrimaryKeyConstraint("group_name", "stream", "partition"),
+)
+
+consumer_nodes = Table(
+    "outbox_consumer_nodes",
+    metadata,
+    # The live consumers of each group (heartbeats), for the fair share of partition streams.
+    Column("group_name", String(64), nullable=False),
+    Column("consumer", String(128), nullable=False),
+    Column("expires_at_ms", BigInteger, nullable=False),
+    PrimaryKeyConstraint("group_name", "consumer"),
+)

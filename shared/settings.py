@@ -7,7 +7,7 @@ and redis-py (``redis://user:password@host:6379/0``, ``rediss://`` for TLS) form
 
 from __future__ import annotations
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from shared.keys import DEFAULT_PREFIX, check_name
@@ -85,9 +85,21 @@ class ConsumerSettings(CommonSettings):
         5, ge=1, description="Deliveries after which an entry is dead-lettered."
     )
     claim_idle_ms: int = Field(
-        30_000, ge=100, description="Idle time after which XAUTOCLAIM takes a pending entry over."
+        30_000, ge=100,
+        description="Deprecated and ignored: the owner of a partition stream takes over its "
+        "pending entries at once (see lease_ttl_ms).",
     )
-    claim_interval_ms: int = Field(5_000, ge=100, description="How often to run XAUTOCLAIM.")
+    claim_interval_ms: int = Field(
+        5_000, ge=100,
+        description="How often the owner re-reads pending entries (failed or waiting ones), "
+        "in id order, while there are any.",
+    )
+    lease_ttl_ms: int = Field(
+        10_000, ge=500,
+        description="Lease of a partition stream by one consumer of the group: renewed every "
+        "third of it, read only within half of it since the last renewal, taken over by "
+        "another consumer once expired. block_ms must be below a quarter of it.",
+    )
     max_data_bytes: int = Field(
         1_048_576, ge=1, description="Largest accepted 'data' field; larger is dead-lettered."
     )
@@ -99,6 +111,17 @@ class ConsumerSettings(CommonSettings):
     @classmethod
     def _group(cls, value: str) -> str:
         return check_name("group", value)
+
+    @model_validator(mode="after")
+    def _lease_outlasts_reads(self) -> ConsumerSettings:
+        # A read issued just before the half-ttl cut-off can still hand out entries for
+        # block_ms; they must reach us before the lease can expire (and be taken over).
+        if self.block_ms * 4 >= self.lease_ttl_ms:
+            raise ValueError(
+                f"block_ms ({self.block_ms}) must be below a quarter of lease_ttl_ms "
+                f"({self.lease_ttl_ms})"
+            )
+        return self
 
     def stream_names(self) -> list[str]:
         """The logical streams, validated."""

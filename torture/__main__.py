@@ -13,9 +13,13 @@ from torture.harness import parse_args, run_one
 
 COLUMNS = (
     ("database", "database"), ("fault_seconds", "fault s"), ("settle_seconds", "settle s"),
-    ("total_kills", "kills"), ("events", "events"), ("runs", "runs"),
-    ("runs_not_terminal", "open runs"), ("lost", "lost"), ("stale_superseded", "superseded"),
+    ("total_kills", "kills"), ("events", "events"), ("strict_events", "strict"),
+    ("handler_failures", "handler fails"), ("runs", "runs"),
+    ("runs_not_terminal", "open runs"), ("lost", "lost"),
     ("duplicate_entries", "dup entries"), ("duplicate_effects", "dup effects"),
+    ("order_violations", "order viol"), ("stream_order_violations", "stream order"),
+    ("out_of_order", "out of order"), ("skipped", "skipped"),
+    ("superseded_latest", "superseded"),
     ("repaired_entries", "repaired"), ("undelivered", "undelivered"), ("pending", "pending"),
 )
 

@@ -1,8 +1,21 @@
 """Handlers of the torture consumer group: each applied event leaves one side-effect row.
 
-The ``torture_effects`` table deliberately has **no** unique constraint: if the inbox ever let an
-event through twice, two rows would show it. The row is written through the claim transaction's
-connection, so it commits together with the inbox receipt or not at all.
+The ``torture_effects`` table deliberately has **no** unique constraint on the event: if the
+inbox ever let an event through twice, two rows would show it. The row is written through the
+claim transaction's connection, so it commits together with the inbox receipt or not at all.
+Its ``seq`` (an autoincrement key) is the apply order: on SQLite writers are serialized, and on
+PostgreSQL two claims touching one aggregate hold the same advisory lock, so within one group
+and aggregate a later apply always gets a higher ``seq``. :mod:`torture.check` reads the order
+of every aggregate back from it.
+
+Types (see :mod:`torture.load`): ``item.changed`` and ``item.noted`` (the same change's two
+events, sharing a revision) are ``strict``; ``item.touched`` and every other type (run events,
+the plain ``torture.event``) are ``latest``. Strict and latest events never share an
+aggregate (``item`` vs ``touch``), so the check judges each aggregate by one rule.
+
+With ``TORTURE_FAIL_PERCENT=N`` (the harness sets 2; unset, nothing fails) about N % of events,
+chosen by a hash of the id, fail their first handler call in a process, then succeed on retry:
+a transient failure that must hold back the aggregate's later revisions.
 
 Loaded with ``outbox consume --app torture.app:handlers``.
 """
@@ -10,44 +23,97 @@ Loaded with ``outbox consume --app torture.app:handlers``.
 from __future__ import annotations
 
 import os
+import zlib
 
-from sqlalchemy import BigInteger, Column, Connection, Engine, Integer, MetaData, String, Table
+from sqlalchemy import (
+    BigInteger,
+    Column,
+    Connection,
+    Engine,
+    Integer,
+    MetaData,
+    String,
+    Table,
+)
 
 from consumer import Handlers
 from shared.db import now_ms
 from shared.envelope import Event
 from shared.settings import ConsumerSettings
 
+STRICT_TYPES = frozenset({"item.changed", "item.noted"})
+LATEST_TYPES = frozenset({"item.touched"})  # and "*": every type not named here
+
 metadata = MetaData()
 
 effects = Table(
     "torture_effects",
     metadata,
+    # The apply order; BIGSERIAL on PostgreSQL, the rowid on SQLite.
+    Column("seq", BigInteger().with_variant(Integer, "sqlite"), primary_key=True,
+           autoincrement=True),
     Column("event_id", String(512), nullable=False),  # no unique constraint, on purpose
     Column("group_name", String(64), nullable=False),
     Column("event_type", String(256), nullable=False),
+    Column("aggregate_type", String(128)),
+    Column("aggregate_id", String(256)),
+    Column("revision", BigInteger),
     Column("pid", Integer, nullable=False),
     Column("created_at_ms", BigInteger, nullable=False),
 )
 
+# The producers' compare-and-set rows: an aggregate's next revision is ``revision + 1``.
+aggregates = Table(
+    "torture_aggregates",
+    metadata,
+    Column("id", String(256), primary_key=True),
+    Column("revision", BigInteger, nullable=False),
+)
+
 
 def create_tables(engine: Engine) -> None:
-    """Create ``torture_effects`` (idempotent)."""
+    """Create ``torture_effects`` and ``torture_aggregates`` (idempotent)."""
     metadata.create_all(engine)
 
 
+def is_strict(event_type: str) -> bool:
+    """Whether the torture group applies ``event_type`` in ``strict`` order."""
+    return event_type in STRICT_TYPES
+
+
+def fails_first(event_id: str, percent: int) -> bool:
+    """Whether ``event_id`` is one of the ~``percent`` % whose first call in a process raises."""
+    return zlib.crc32(event_id.encode()) % 100 < percent
+
+
+class TransientError(RuntimeError):
+    """The injected handler failure: the entry stays pending and is retried."""
+
+
 def handlers(settings: ConsumerSettings) -> Handlers:
-    """Every event type: record one effect row in the claim transaction."""
+    """Every event type: record one effect row in the claim transaction (strict for the item
+    changes, latest for the rest), failing the first call of ``TORTURE_FAIL_PERCENT`` % of
+    events."""
     group = settings.group
+    percent = int(os.environ.get("TORTURE_FAIL_PERCENT", "0"))
+    failed: set[str] = set()
 
     def record(conn: Connection, event: Event) -> None:
+        if event.id not in failed and fails_first(event.id, percent):
+            failed.add(event.id)
+            raise TransientError(f"injected transient failure of {event.id}")
         conn.execute(
             effects.insert().values(
                 event_id=event.id, group_name=group, event_type=event.type,
-                pid=os.getpid(), created_at_ms=now_ms(),
+                aggregate_type=event.aggregatetype, aggregate_id=event.aggregateid,
+                revision=event.revision, pid=os.getpid(), created_at_ms=now_ms(),
             )
         )
 
     registry = Handlers()
-    registry.register("*", record)
+    for event_type in sorted(STRICT_TYPES):
+        registry.register(event_type, record, ordering="strict")
+    for event_type in sorted(LATEST_TYPES):
+        registry.register(event_type, record, ordering="latest")
+    registry.register("*", record, ordering="latest")
     return registry

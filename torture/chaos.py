@@ -40,6 +40,9 @@ class Plan:
     db_every_s: float
     stall_s: tuple[float, float] = (1.0, 3.0)
     unarmed_share: float = 0.25
+    # Odds of each kind being the random kill's victim, relative to 1 for the others:
+    # consumers die twice as often (two of them share a group and hand partitions over).
+    victim_weights: dict[str, float] = field(default_factory=lambda: {"consumer": 2.0})
 
 
 @dataclass
@@ -158,7 +161,8 @@ class Chaos:
         alive = [c for c in self.children if c.alive()]
         if not alive:
             return
-        victim = self.rng.choice(alive)
+        weights = [self.plan.victim_weights.get(c.kind, 1.0) for c in alive]
+        victim = self.rng.choices(alive, weights)[0]
         victim.kill()
         if victim.fault_fired() is None:  # not already dying at a point
             self.tally.kills[f"random.{victim.kind}"] += 1

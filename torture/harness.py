@@ -1,8 +1,9 @@
 """``python -m torture``: the real daemons under faults, then the verdict.
 
 For each database (SQLite file, PostgreSQL schema of its own): start a Redis of its own
-(``appendonly yes``, ``appendfsync always``), a producer, 2 relays, 2 consumers and (with
-``--run-worker``) 2 run workers as separate processes; kill them at random and at every fault
+(``appendonly yes``, ``appendfsync always``), a producer (with ``--writers`` threads sharing
+aggregates, :mod:`torture.load`), 2 relays, 2 consumers of one group and (with ``--run-worker``)
+2 run workers as separate processes; kill them at random and at every fault
 point, break Redis and the database on a schedule; then let everything settle, check
 (:mod:`torture.check`), print a table and write JSON. Exit status 1 on any violation.
 """
@@ -50,6 +51,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-duration", type=float, default=3600.0,
                    help="hard cap on seconds of faults per database (default 3600)")
     p.add_argument("--rate", type=float, default=80.0, help="events per second (default 80)")
+    p.add_argument("--writers", type=int, default=3,
+                   help="producer threads writing the same aggregates (default 3)")
+    p.add_argument("--hold-ms", type=int, default=50,
+                   help="a writer holds each transaction open a random 0..N ms (default 50)")
     p.add_argument("--quick", action="store_true",
                    help="short run: every fault point at least once, ~1 minute per database")
     p.add_argument("--seed", type=int, default=None, help="random seed (default: random)")
@@ -62,13 +67,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def make_plan(args: argparse.Namespace) -> Plan:
+    """The fault plan. The producer's rate is per enqueued event (about ``--rate`` calls a
+    second): at 0.004 it dies every few seconds, and lives long enough between deaths for its
+    writer threads to collide on shared aggregates."""
     if args.quick:
         return Plan(duration_s=25, kills=0, max_s=100,
-                    rates={"relay": 0.5, "consumer": 0.4, "producer": 0.01, "worker": 0.3},
+                    rates={"relay": 0.5, "consumer": 0.5, "producer": 0.004, "worker": 0.3},
                     random_kill_every_s=2.5, broker_every_s=7.0, db_every_s=6.0,
                     unarmed_share=0.0)
     return Plan(duration_s=args.duration, kills=args.kills, max_s=args.max_duration,
-                rates={"relay": 0.15, "consumer": 0.15, "producer": 0.01, "worker": 0.15},
+                rates={"relay": 0.15, "consumer": 0.25, "producer": 0.004, "worker": 0.15},
                 random_kill_every_s=1.0, broker_every_s=15.0, db_every_s=8.0)
 
 
@@ -97,7 +105,8 @@ def children(env: dict[str, str], log_dir: Path, seed: int, workers: bool) -> li
     consumer_env = {"OUTBOX_GROUP": GROUP, "OUTBOX_STREAMS": ",".join(STREAMS),
                     "OUTBOX_BLOCK_MS": "200", "OUTBOX_REDIS_TIMEOUT_S": "1.5",
                     "OUTBOX_CLAIM_IDLE_MS": "3000", "OUTBOX_CLAIM_INTERVAL_MS": "1000",
-                    "OUTBOX_MAX_DELIVERIES": "100", "OUTBOX_BATCH_SIZE": "50"}
+                    "OUTBOX_MAX_DELIVERIES": "100", "OUTBOX_BATCH_SIZE": "50",
+                    "OUTBOX_LEASE_TTL_MS": "3000", "TORTURE_FAIL_PERCENT": "2"}
     made = [Child("producer", "producer", [sys.executable, "-m", "torture.load"], env, log_dir,
                   seed=seed)]
     for i in range(2):
@@ -175,7 +184,8 @@ def run_one(kind: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
             prefix = f"torture{tag}"
             env = {**base_env(), "OUTBOX_DATABASE_URL": url, "OUTBOX_REDIS_URL": server.url,
                    "OUTBOX_KEY_PREFIX": prefix, "OUTBOX_PARTITIONS": str(PARTITIONS),
-                   "OUTBOX_LOG_LEVEL": "WARNING", "TORTURE_RATE": str(args.rate)}
+                   "OUTBOX_LOG_LEVEL": "WARNING", "TORTURE_RATE": str(args.rate),
+                   "TORTURE_WRITERS": str(args.writers), "TORTURE_HOLD_MS": str(args.hold_ms)}
             kids = children(env, workdir / "logs", seed, args.run_worker)
             terminate = None
             if kind == "postgresql":
@@ -197,6 +207,9 @@ def run_one(kind: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
             child.stop()
         server.stop()
     repaired = sum(c.repaired_entries() for c in kids if c.kind == "relay")
+    # The consumers log each failed handler call with its exception's name.
+    handler_failures = sum(c.count_in_logs(app.TransientError.__name__.encode())
+                           for c in kids if c.kind == "consumer")
     violations = verdict.violations(runs_must_finish=args.run_worker)
     missing = [p for p in chaos.points if not tally.kills[p]]
     violations += [f"never_killed_at:{p}" for p in missing]
@@ -209,6 +222,7 @@ def run_one(kind: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
         "settle_seconds": None if settle_s is None else round(settle_s, 1),
         "kills": dict(sorted(tally.kills.items())), "total_kills": tally.total_kills(),
         "infra_faults": dict(sorted(tally.faults.items())), "repaired_entries": repaired,
+        "handler_failures": handler_failures,
         "unavailable_exits": dict(sorted(tally.unavailable_exits.items())),
         **verdict.as_dict(), "violations": violations,
     }

@@ -101,6 +101,10 @@ class Child:
                 self.kill()
         return self.proc.returncode
 
+    def count_in_logs(self, needle: bytes) -> int:
+        """Occurrences of ``needle`` in every incarnation's log."""
+        return sum(log.read_bytes().count(needle) for log in self.logs if log.exists())
+
     def repaired_entries(self) -> int:
         """Entries this role's relays appended back (from every incarnation's log)."""
         return sum(

@@ -2,8 +2,11 @@
 
 Real daemons as subprocesses on SQLite and PostgreSQL with a Redis of the harness's own,
 including 2 run workers; every producer, relay, consumer and worker fault point fires at least
-once, Redis is SIGKILLed, restarted empty and stalled, PostgreSQL sessions are terminated; the
-verdict must be clean and every created run terminal.
+once, Redis is SIGKILLed, restarted empty and stalled, PostgreSQL sessions are terminated.
+Three producer threads write the same aggregates (compare-and-set revisions, transactions held
+open) and handlers fail transiently; the verdict must be clean, every created run terminal, and
+order kept: no stream or apply-order violation, no ``out_of_order`` letter, no strict event
+skipped (design.md flow 3, invariant 6).
 """
 
 from __future__ import annotations
@@ -23,7 +26,9 @@ ROOT = Path(__file__).resolve().parents[2]
 KILLED_KINDS = ("producer", "relay", "consumer", "worker")
 
 
-def test_quick_torture_on_both_databases_loses_and_duplicates_nothing(tmp_path: Path) -> None:
+def test_quick_torture_on_both_databases_loses_duplicates_and_reorders_nothing(
+    tmp_path: Path,
+) -> None:
     out = tmp_path / "report.json"
     proc = subprocess.run(
         [sys.executable, "-m", "torture", "--quick", "--database", "both", "--run-worker",
@@ -39,6 +44,10 @@ def test_quick_torture_on_both_databases_loses_and_duplicates_nothing(tmp_path: 
         assert run["run_worker"] is True
         assert run["runs_not_terminal"] == 0
         assert run["lost"] == run["duplicate_entries"] == run["duplicate_effects"] == 0
+        assert run["order_violations"] == run["stream_order_violations"] == 0
+        assert run["out_of_order"] == run["skipped"] == run["not_applied"] == 0
+        assert run["strict_events"] > 0  # the concurrent writers' strict types were tested
+        assert run["handler_failures"] > 0  # and some handler calls failed, then retried
         for kind in KILLED_KINDS:
             for point in POINTS_BY_KIND[kind]:
                 assert run["kills"].get(point, 0) >= 1, (run["database"], point)

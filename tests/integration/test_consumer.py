@@ -102,23 +102,30 @@ def test_duplicate_delivery_has_exactly_one_effect(
     assert pending_total(redis_client, key_prefix) == 0
 
 
-def test_stale_revision_is_skipped(
+def test_an_older_revision_is_dead_lettered_out_of_order_never_skipped(
     effects_engine: Engine, redis_client: redis.Redis, key_prefix: str
 ) -> None:
+    # Was test_stale_revision_is_skipped (receipt ``stale``, no letter): a silent loss.
     recorder = Recorder()
     consumer = make_consumer(effects_engine, redis_client, key_prefix, recorder)
     newer, older, newest = event("agg-1", 2), event("agg-1", 1), event("agg-1", 3)
     xadd_event(redis_client, key_prefix, newer)
     consumer.run_once()
-    xadd_event(redis_client, key_prefix, older)
+    older_entry = xadd_event(redis_client, key_prefix, older)
     consumer.run_once()
     xadd_event(redis_client, key_prefix, newest)
     consumer.run_once()
 
     assert recorder.calls == {newer.id: 1, newest.id: 1}
-    assert {i: r.outcome for i, r in receipts(effects_engine).items()} == {
-        newer.id: "applied", older.id: "stale", newest.id: "applied"}
-    assert consumer.stats.stale == 1
+    got = receipts(effects_engine)
+    assert {i: (r.outcome, r.reason) for i, r in got.items()} == {
+        newer.id: ("applied", None), older.id: ("dead", "out_of_order"),
+        newest.id: ("applied", None)}
+    (letter,) = dead_letters(redis_client, key_prefix, keys.partition_for("agg-1", PARTITIONS))
+    assert letter[b"dlq.reason"] == b"out_of_order"
+    assert (letter[b"dlq.revision"], letter[b"dlq.head"]) == (b"1", b"2")
+    assert letter[b"dlq.entry_id"] == older_entry.encode()
+    assert (consumer.stats.out_of_order, consumer.stats.dead) == (1, 1)
     assert pending_total(redis_client, key_prefix) == 0
 
 

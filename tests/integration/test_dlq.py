@@ -16,7 +16,7 @@ from consumer.daemon import Consumer
 from shared import keys
 from shared.envelope import Event
 from shared.errors import InvalidRequestError, NotFoundError
-from shared.schema import inbox
+from shared.schema import inbox, inbox_heads
 from shared.settings import ConsumerSettings
 
 pytestmark = pytest.mark.integration
@@ -84,6 +84,12 @@ class World:
         with self.engine.connect() as conn:
             return int(conn.execute(select(func.count()).where(
                 effects.c.event_id == event_id.decode())).scalar_one())
+
+    def head(self) -> int | None:
+        with self.engine.connect() as conn:
+            return conn.execute(select(inbox_heads.c.revision).where(
+                inbox_heads.c.group_name == GROUP, inbox_heads.c.aggregate_id == "agg")
+            ).scalar_one_or_none()
 
     def stream_length(self) -> int:
         return sum(int(self.client.xlen(keys.stream_key(self.prefix, "s", p))) for p in (0, 1))
@@ -168,7 +174,8 @@ def test_replay_leaves_what_still_cannot_succeed(world: World) -> None:
     assert world.effects(too_big[b"id"]) == 1
 
 
-def test_replay_after_max_deliveries_and_when_stale(world: World) -> None:
+def test_replay_after_max_deliveries_applies_whatever_the_head(world: World) -> None:
+    # Was ..._and_when_stale: the replay ended ``stale`` and deleted the letter (a silent loss).
     def boom(conn: Connection, event: Event) -> None:
         raise RuntimeError("down")
 
@@ -182,9 +189,11 @@ def test_replay_after_max_deliveries_and_when_stale(world: World) -> None:
     assert world.receipts(first[b"id"]) == []  # no receipt, but the letter is the record
     assert len(world.letters()) == 1
     world.consume(registry("job"), [later])  # revision 2 is applied meanwhile
-    stale = dead_letters.replay(world.client, world.engine, letter, registry("job"), group=GROUP)
-    assert (stale.outcome, stale.removed) == ("stale", True)
-    assert world.receipts(first[b"id"]) == ["stale"] and world.effects(first[b"id"]) == 0
+    replayed = dead_letters.replay(world.client, world.engine, letter, registry("job"),
+                                   group=GROUP)
+    assert (replayed.outcome, replayed.removed) == ("applied", True)  # an operator decided
+    assert world.receipts(first[b"id"]) == ["applied"] and world.effects(first[b"id"]) == 1
+    assert world.head() == 2  # never lowered by a replay
     assert world.letters() == []
 
 

@@ -201,7 +201,7 @@ def test_relay_killed_between_xadd_and_mark(
         rows = store.claim(engine, partition, "doomed", epoch, 100, TTL, now_ms())
         if appended == "half":
             rows = rows[: len(rows) // 2]
-        verdicts = append.append(redis_client, key_prefix, rows)
+        verdicts = append.append(redis_client, key_prefix, rows, epoch)
         landed += len(verdicts.delivered)
     # ... and the process dies here: no settle; its heartbeat and leases run out.
     let_die(engine, "doomed")
@@ -217,11 +217,18 @@ def test_relay_killed_between_xadd_and_mark(
 
 
 class LostReply:
-    """A Redis client whose next ``n`` pipelines really run, then report a timeout: the
-    outcome a relay sees when the reply is lost."""
+    """A Redis client whose next ``n`` append calls (``EVALSHA``, or pipelines) really run,
+    then report a timeout: the outcome a relay sees when the reply is lost."""
 
     def __init__(self, real: redis.Redis, n: int = 1) -> None:
         self.real, self.remaining = real, n
+
+    def evalsha(self, *args: Any) -> Any:
+        answer = self.real.evalsha(*args)
+        if self.remaining > 0:
+            self.remaining -= 1
+            raise redis.TimeoutError("Timeout reading from socket")
+        return answer
 
     def pipeline(self, transaction: bool = True) -> Any:
         pipe = self.real.pipeline(transaction=transaction)
@@ -258,21 +265,21 @@ def test_lost_reply_in_the_pipelined_chain_causes_no_duplicate(
     engine: Engine, redis_client: redis.Redis, key_prefix: str, lost: int
 ) -> None:
     """Batches of 5 chain (claim of the next overlapping the current append, settle of one
-    claiming the one after); the ``lost``-th pipeline's reply is lost while others are claimed
+    claiming the one after); the ``lost``-th append's reply is lost while others are claimed
     and recorded: every recorded batch is retried under its ids, in order, exactly once."""
     ids = enqueue_events(engine, 40, aggregates=1)
     client = cast(redis.Redis, LostReply(redis_client, n=0))
     relay = Relay(relay_settings(key_prefix, batch_size=5), engine, client)
-    real_pipeline = client.pipeline
+    real_evalsha = client.evalsha
     calls = 0
 
-    def pipeline(transaction: bool = True) -> Any:
+    def evalsha(*args: Any) -> Any:
         nonlocal calls
         calls += 1
         cast(LostReply, client).remaining = 1 if calls == lost else 0
-        return real_pipeline(transaction=transaction)
+        return real_evalsha(*args)
 
-    client.pipeline = pipeline  # type: ignore[method-assign]
+    client.evalsha = evalsha  # type: ignore[method-assign,assignment]
     with pytest.raises(UnavailableError):
         relay.run_once()
     assert undelivered(engine) > 0
@@ -291,7 +298,8 @@ def test_stalled_redis_timeout_causes_no_duplicate(
         client = connect_redis(url, timeout_s=0.2)
         relay = Relay(relay_settings(key_prefix, redis_url=url), engine, client)
         relay.run_once()  # takes the leases while there is nothing to deliver
-        client.ping()  # the relay's connection is open before Redis stalls
+        client.script_load(append.SCRIPT)  # as after any earlier append; the connection is
+        # open before Redis stalls
         ids = enqueue_events(engine, 10, aggregates=1)
         stall = redis.Redis.from_url(url).connection_pool.get_connection()
         stall.send_command("DEBUG", "SLEEP", "1")  # no reply awaited: Redis stops answering
@@ -337,13 +345,14 @@ def test_fenced_out_relay_cannot_mark_and_its_late_xadd_does_not_duplicate(
     assert [r.entry_id for r in fresh_rows] == [r.entry_id for r in stale_rows]
 
     if late_xadd == "before_takeover_append":
-        append.append(redis_client, key_prefix, stale_rows)
-    verdicts = append.append(redis_client, key_prefix, fresh_rows)
+        append.append(redis_client, key_prefix, stale_rows, old[partition])
+    verdicts = append.append(redis_client, key_prefix, fresh_rows, new[partition])
+    assert verdicts.already == (12 if late_xadd == "before_takeover_append" else 0)
     store.settle(engine, partition, "new", new[partition], TTL, now_ms(),
                  delivered=verdicts.delivered, gaps=verdicts.gaps, failed=verdicts.failed)
-    if late_xadd == "after_takeover_mark":
-        late = append.append(redis_client, key_prefix, stale_rows)
-        assert late.already == 12 and not late.gaps
+    if late_xadd == "after_takeover_mark":  # the fence in Redis refuses it outright
+        with pytest.raises(LeaseLostError):
+            append.append(redis_client, key_prefix, stale_rows, old[partition])
     with pytest.raises(LeaseLostError) as info:
         store.settle(engine, partition, "old", old[partition], TTL, now_ms(),
                      delivered=[(r.seq, r.entry_id) for r in stale_rows], gaps=[], failed=[])
@@ -371,10 +380,13 @@ def claim_three(engine: Engine) -> tuple[list[str], int, int, list[store.OutboxR
 def test_ordering_gap_is_republished_at_the_top_once(
     engine: Engine, redis_client: redis.Redis, key_prefix: str
 ) -> None:
-    ids, _partition, _epoch, (first, middle, last) = claim_three(engine)
-    # The middle XADD failed (say OOM) while its neighbours landed, and the relay died before
-    # it settled: the retry of the recorded batch finds the top past the middle's id.
-    append.append(redis_client, key_prefix, [first, last])
+    ids, _partition, epoch, (first, middle, last) = claim_three(engine)
+    # A relay of an earlier version (pipelined XADDs that did not stop at a refusal) had the
+    # middle XADD refused while its neighbours landed, and died before it settled: the retry
+    # of the recorded batch finds the top past the middle's id. (Today's append stops at the
+    # first refusal of a stream, so it never leaves such a hole itself.)
+    append.append(redis_client, key_prefix, [first], epoch)
+    append.append(redis_client, key_prefix, [last], epoch)
     let_die(engine, "a")
 
     stats = Relay(relay_settings(key_prefix, node_id="b"), engine, redis_client).run(
@@ -414,24 +426,36 @@ def test_rows_claimed_by_an_earlier_version_are_retried_under_their_own_ids(
     assert marked[rows[1].seq] == f"{old_ms}-1"
 
 
-def test_refused_append_is_retried_under_a_new_id_above_the_top(
-    engine: Engine, redis_client: redis.Redis, key_prefix: str
+def test_refused_append_stops_its_stream_and_later_rows_wait_in_order(
+    engine: Engine, key_prefix: str, tmp_path: Path
 ) -> None:
-    ids, partition, epoch, (first, middle, last) = claim_three(engine)
-    # Redis refused the middle XADD (it certainly did not land) and the batch was settled.
-    verdicts = append.append(redis_client, key_prefix, [first, last])
-    store.settle(engine, partition, "a", epoch, TTL, now_ms(),
-                 delivered=verdicts.delivered, gaps=[], failed=[(middle.seq, "redis_oom")])
-    assert next(r for r in outbox_rows(engine) if r.seq == middle.seq).last_error == "redis_oom"
+    """Redis refuses revision 2 (out of memory): revision 3, claimed in the same batch, must
+    not overtake it; both go out behind it, in order, once Redis accepts writes again."""
+    with private_redis(tmp_path / "redis") as url:
+        client = connect_redis(url)
 
-    stats = Relay(relay_settings(key_prefix, node_id="a"), engine, redis_client).run(
-        until_idle=True
-    )
-    assert stats.ordering_gaps == 0 and stats.delivered == 1  # a fresh id: no gap round trip
-    assert_each_once(redis_client, key_prefix, ids)
-    assert_all_marked(engine, redis_client, key_prefix)
-    order = [f["id"] for _p, _id, f in stream_entries(redis_client, key_prefix)]
-    assert order == [first.event_id, last.event_id, middle.event_id]
+        def relay() -> Relay:
+            return Relay(relay_settings(key_prefix, redis_url=url), engine, client)
+
+        ids = enqueue_events(engine, 1, aggregates=1)
+        relay().run(until_idle=True)
+        ids += enqueue_events(engine, 2, aggregates=1, first=1)
+        client.config_set("maxmemory", 1)  # noeviction: every write is refused with OOM
+        stats = relay().run(until_idle=True)
+        assert (stats.failed, stats.not_appended, stats.delivered) == (1, 1, 0)
+        assert [f["id"] for _p, _i, f in stream_entries(client, key_prefix)] == ids[:1]
+        rows = outbox_rows(engine)
+        assert [r.last_error for r in rows] == [None, "redis_oom", None]
+        assert undelivered(engine) == 2
+
+        client.config_set("maxmemory", 0)
+        stats = relay().run(until_idle=True)
+        assert stats.ordering_gaps == 0 and stats.delivered == 2  # fresh ids: no gap round trip
+        assert_each_once(client, key_prefix, ids)
+        assert_all_marked(engine, client, key_prefix)
+        order = [f["id"] for _p, _id, f in stream_entries(client, key_prefix)]
+        assert order == ids  # [rev1, rev2, rev3]
+        client.close()
 
 
 def test_gap_behind_a_foreign_top_far_ahead_is_republished_once_above_it(
@@ -449,7 +473,9 @@ def test_gap_behind_a_foreign_top_far_ahead_is_republished_once_above_it(
     stats = Relay(relay_settings(key_prefix, node_id="a"), engine, redis_client).run(
         until_idle=True
     )
-    assert stats.ordering_gaps == 2 and stats.delivered == 2  # one gap each, no hot loop
+    # the first gap stops the stream's batch: both go out above the top, in order, no hot loop
+    assert (stats.ordering_gaps, stats.not_appended, stats.delivered) == (1, 1, 2)
+    assert [f["id"] for _p, _id, f in stream_entries(redis_client, key_prefix)] == ids
     assert_each_once(redis_client, key_prefix, ids)
     assert_all_marked(engine, redis_client, key_prefix)
     for row in outbox_rows(engine):

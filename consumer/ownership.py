@@ -1,0 +1,292 @@
+"""Every SQL statement of consumer leases: one owner per consumer group and partition stream.
+
+Like a Kafka partition assignment, and like the relay's partition leases (relay/store.py): the
+consumers of a group lease the partition streams they read, a lease row per group and
+``(stream, partition)`` with an owner, an expiry and a fencing epoch that every takeover bumps.
+Each consumer heartbeats a node row; the live nodes of a group decide the fair share.
+
+Why: with two consumers reading one partition stream, one could apply an aggregate's revision
+N+1 while N sat in the pending list of the other, which had died (issue #9). With one owner per
+partition stream, an aggregate's entries are read, retried and taken over by one consumer, in id
+order. The claim transaction re-checks the lease (:func:`check`), so a consumer that lost its
+lease without noticing (a pause, a partition from the database) cannot commit anything.
+
+Each function runs one short transaction (or, for :func:`check`, one step of the caller's).
+Expiries are written and compared with the database's clock (:func:`shared.db.db_now_ms`).
+Row locks are always taken in ``(stream, partition)`` order, so a rebalance and a claim never
+deadlock on PostgreSQL.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from sqlalchemy import Connection, Engine, and_, delete, func, or_, select, update
+from sqlalchemy.dialects import postgresql, sqlite
+
+from shared.db import db_now_ms, is_postgres, translate_errors
+from shared.errors import LeaseLostError
+from shared.schema import consumer_leases as leases
+from shared.schema import consumer_nodes as nodes
+
+log = logging.getLogger(__name__)
+
+Key = tuple[str, int]  # (logical stream, partition)
+
+
+class PartitionLostError(LeaseLostError):
+    """A claim found that this consumer no longer owns, at its epoch, some partition streams."""
+
+    def __init__(self, group: str, lost: Iterable[Key]) -> None:
+        self.keys = sorted(lost)
+        names = ", ".join(f"{s}:{p}" for s, p in self.keys)
+        super().__init__(f"group {group} no longer owns {names} here")
+
+
+def _upsert(conn: Connection) -> Any:
+    return postgresql.insert if is_postgres(conn) else sqlite.insert
+
+
+def _db_now(conn: Connection) -> int:
+    """The database's clock (epoch ms): every consumer host compares lease expiries with the
+    same clock, whatever its own says."""
+    return int(conn.execute(select(db_now_ms(is_postgres(conn)))).scalar_one())
+
+
+def _row(group: str, key: Key) -> Any:
+    return and_(leases.c.group_name == group, leases.c.stream == key[0],
+                leases.c.partition == key[1])
+
+
+def acquire(
+    engine: Engine, group: str, consumer: str, keys: list[Key], ttl_ms: int
+) -> dict[Key, int]:
+    """Heartbeat this consumer and take its fair share of ``keys``; return ``{key: epoch}``.
+
+    Fair share is ``ceil(len(keys) / live consumers of the group)``. Leases we hold within
+    our share are renewed (same epoch); above it, released (another consumer takes them on its
+    next call); below it, free or expired leases are taken, bumping their epoch (the fence: a
+    claim of the previous owner at the old epoch is refused from then on). A lease we held
+    but let expire comes back under a new epoch too, so the caller treats it as new.
+
+    Takes are optimistic (``WHERE epoch = <seen>``): two consumers racing for one lease cannot
+    both win. On PostgreSQL, taking a lease whose previous owner is inside a claim waits for
+    that claim's row lock (:func:`check`), so the takeover happens after that commit.
+    """
+    wanted = sorted(set(keys))
+    with translate_errors(), engine.begin() as conn:
+        now = _db_now(conn)
+        ins = _upsert(conn)
+        conn.execute(
+            ins(nodes)
+            .values(group_name=group, consumer=consumer, expires_at_ms=now + ttl_ms)
+            .on_conflict_do_update(
+                index_elements=["group_name", "consumer"], set_={"expires_at_ms": now + ttl_ms}
+            )
+        )
+        conn.execute(delete(nodes).where(nodes.c.group_name == group,
+                                         nodes.c.expires_at_ms < now - 10 * ttl_ms))
+        live = conn.execute(
+            select(func.count()).where(nodes.c.group_name == group, nodes.c.expires_at_ms > now)
+        ).scalar_one()
+        if not wanted:
+            return {}
+        conn.execute(
+            ins(leases).on_conflict_do_nothing(
+                index_elements=["group_name", "stream", "partition"]),
+            [{"group_name": group, "stream": s, "partition": p, "owner": None, "epoch": 0,
+              "expires_at_ms": 0} for s, p in wanted],
+        )
+        rows = conn.execute(
+            select(leases.c.stream, leases.c.partition, leases.c.owner, leases.c.epoch,
+                   leases.c.expires_at_ms)
+            .where(leases.c.group_name == group, or_(*(_row(group, k) for k in wanted)))
+            .order_by(leases.c.stream, leases.c.partition)
+        ).all()
+        fair = math.ceil(len(wanted) / max(live, 1))
+        return _rebalance(conn, group, consumer, rows, fair, ttl_ms, now)
+
+
+def _rebalance(
+    conn: Connection, group: str, consumer: str, rows: Any, fair: int, ttl_ms: int, now: int
+) -> dict[Key, int]:
+    """Renew, release and take leases, one conditional UPDATE each, in key order."""
+    mine = [r for r in rows if r.owner == consumer and r.expires_at_ms > now]
+    free = [r for r in rows if r.owner is None or r.expires_at_ms <= now]
+    keep, drop = mine[:fair], mine[fair:]
+    take = free[: max(fair - len(keep), 0)]
+    actions = sorted([(r, "keep") for r in keep] + [(r, "drop") for r in drop]
+                     + [(r, "take") for r in take], key=lambda a: (a[0].stream, a[0].partition))
+    held: dict[Key, int] = {}
+    for r, action in actions:
+        key = (r.stream, r.partition)
+        stmt = update(leases).where(_row(group, key), leases.c.epoch == r.epoch)
+        if action == "keep":
+            result = conn.execute(stmt.where(leases.c.owner == consumer)
+                                  .values(expires_at_ms=now + ttl_ms))
+            if result.rowcount == 1:
+                held[key] = r.epoch
+        elif action == "drop":
+            conn.execute(stmt.where(leases.c.owner == consumer).values(owner=None, expires_at_ms=0))
+        else:
+            result = conn.execute(
+                stmt.where(or_(leases.c.owner.is_(None), leases.c.expires_at_ms <= now))
+                .values(owner=consumer, epoch=r.epoch + 1, expires_at_ms=now + ttl_ms)
+            )
+            if result.rowcount == 1:
+                held[key] = r.epoch + 1
+    return held
+
+
+def release(engine: Engine, group: str, consumer: str, held: dict[Key, int]) -> None:
+    """Give our leases back and remove our heartbeat at shutdown, so the others take our
+    partition streams at once instead of after the lease expires."""
+    with translate_errors(), engine.begin() as conn:
+        for key, epoch in sorted(held.items()):
+            conn.execute(
+                update(leases)
+                .where(_row(group, key), leases.c.owner == consumer, leases.c.epoch == epoch)
+                .values(owner=None, expires_at_ms=0)
+            )
+        conn.execute(delete(nodes).where(nodes.c.group_name == group,
+                                         nodes.c.consumer == consumer))
+
+
+def check(
+    conn: Connection, group: str, consumer: str, held: dict[Key, int], *, ttl_ms: int
+) -> None:
+    """The fence of a claim: inside its transaction, verify that ``consumer`` still owns every
+    key of the batch at the given epoch, and extend those leases.
+
+    Raises :class:`PartitionLostError` naming the keys that are no longer ours (the claim
+    then rolls back). An expired lease that nobody took over still passes: its epoch proves
+    no one else read the partition stream since. On PostgreSQL the rows are locked
+    (``SELECT … ORDER BY … FOR UPDATE``, in key order) until the claim commits, so a takeover
+    waits for it; on SQLite, ``BEGIN IMMEDIATE`` already serializes the two transactions.
+    """
+    if not held:
+        return
+    wanted = sorted(held)
+    where = (leases.c.group_name == group, or_(*(_row(group, k) for k in wanted)))
+    query = (select(leases.c.stream, leases.c.partition, leases.c.owner, leases.c.epoch)
+             .where(*where).order_by(leases.c.stream, leases.c.partition))
+    if is_postgres(conn):
+        query = query.with_for_update()
+    found = {(r.stream, r.partition): (r.owner, r.epoch) for r in conn.execute(query)}
+    lost = [k for k in wanted if found.get(k) != (consumer, held[k])]
+    if lost:
+        raise PartitionLostError(group, lost)
+    conn.execute(update(leases).where(*where, leases.c.owner == consumer)
+                 .values(expires_at_ms=db_now_ms(is_postgres(conn)) + ttl_ms))
+
+
+def owners(engine: Engine) -> list[dict[str, Any]]:
+    """Every consumer lease, for ``outbox status``: group, stream, partition, owner (None
+    when free or expired), epoch, and how long the lease has left."""
+    with translate_errors(), engine.connect() as conn:
+        rows = conn.execute(
+            select(leases).order_by(leases.c.group_name, leases.c.stream, leases.c.partition)
+        ).all()
+        now = _db_now(conn)
+    return [
+        {
+            "group": r.group_name,
+            "stream": r.stream,
+            "partition": r.partition,
+            "owner": r.owner if r.owner is not None and r.expires_at_ms > now else None,
+            "epoch": r.epoch,
+            "expires_in_ms": max(r.expires_at_ms - now, 0) if r.owner is not None else None,
+        }
+        for r in rows
+    ]
+
+
+class Leases:
+    """The partition streams one consumer owns, and whether it may still read each of them.
+
+    Timing, with ``ttl`` the lease lifetime: leases are renewed every ``ttl/3``; a key is read
+    only while less than ``ttl/2`` has passed since the start of its last successful renewal.
+    A blocking read issued just before that cut-off returns within ``block_ms < ttl/4``
+    (settings enforce it), so by ``3/4 ttl``: before the lease can expire and another
+    consumer take the key over. Times are this process's monotonic clock, measured from
+    *before* the renewal transaction, so they undershoot the database's expiry.
+
+    Disabled (``enabled=False``, for tests and benchmarks that build one consumer by hand),
+    every key is held at epoch 0, always readable, and claims are not fenced.
+    """
+
+    def __init__(
+        self, engine: Engine, group: str, consumer: str, ids: dict[str, Key], ttl_ms: int,
+        *, enabled: bool = True,
+    ) -> None:
+        self.engine, self.group, self.consumer = engine, group, consumer
+        self.ids = ids  # stream key -> (stream, partition), in reading order
+        self.ttl_ms = ttl_ms
+        self.enabled = enabled
+        self.held: dict[str, int] = {} if enabled else dict.fromkeys(ids, 0)
+        self._renewed_at = -math.inf
+
+    def due(self) -> bool:
+        """True when a renewal is due (a third of the ttl after the last one)."""
+        return self.enabled and time.monotonic() >= self._renewed_at + self.ttl_ms / 3000
+
+    def renew(self) -> list[str]:
+        """Heartbeat and rebalance (:func:`acquire`); return the keys newly owned, or owned
+        under a new epoch, whose pending entries the caller must take over first."""
+        started = time.monotonic()
+        got = acquire(self.engine, self.group, self.consumer, list(self.ids.values()),
+                      self.ttl_ms)
+        held = {k: got[i] for k, i in self.ids.items() if i in got}
+        new = [k for k, e in held.items() if self.held.get(k) != e]
+        gone = [k for k in self.held if k not in held]
+        if new or gone:
+            log.info("consumer %s of group %s now owns %d partition stream(s): +%s -%s",
+                     self.consumer, self.group, len(held), new or "[]", gone or "[]")
+        self.held, self._renewed_at = held, started
+        return new
+
+    def readable(self) -> list[str]:
+        """The keys this consumer may issue a read for now, in reading order."""
+        if self.enabled and time.monotonic() - self._renewed_at >= self.ttl_ms / 2000:
+            return []
+        return [k for k in self.ids if k in self.held]
+
+    def idle_wait_s(self) -> float:
+        """How long a consumer with nothing to read waits before trying again (until the next
+        renewal is due; never a busy loop, never longer than a third of the ttl)."""
+        next_renewal = self._renewed_at + self.ttl_ms / 3000 - time.monotonic()
+        return min(max(next_renewal, 0.01), self.ttl_ms / 3000)
+
+    def fence(self, stream_keys: Iterable[str]) -> Callable[[Connection], None] | None:
+        """The claim-transaction check for a batch of these keys (None when disabled)."""
+        if not self.enabled:
+            return None
+        keys = list(stream_keys)
+        held = {self.ids[k]: self.held[k] for k in keys if k in self.held}
+        missing = [self.ids[k] for k in keys if k not in self.held]
+
+        def fenced(conn: Connection) -> None:
+            if missing:
+                raise PartitionLostError(self.group, missing)
+            check(conn, self.group, self.consumer, held, ttl_ms=self.ttl_ms)
+
+        return fenced
+
+    def drop(self, lost: Iterable[Key]) -> list[str]:
+        """Stop reading the given keys (their leases were taken over); their stream keys."""
+        gone = set(lost)
+        dropped = [k for k, i in self.ids.items() if i in gone and k in self.held]
+        for k in dropped:
+            del self.held[k]
+        return dropped
+
+    def release(self) -> None:
+        """Give every held lease back (shutdown)."""
+        if self.enabled:
+            release(self.engine, self.group, self.consumer,
+                    {self.ids[k]: e for k, e in self.held.items()})
+            self.held = {}
