@@ -305,7 +305,7 @@ def _render(s: dict[str, Any], stamp: str, partitions: int, redis_url: str) -> s
         f"questions answered  {s['questions_answered']:>8}   ({receipt})",
         f"runs resumed        {s['resumed']:>8}",
         f"duplicates skipped  {s['duplicates_skipped']:>8}",
-        f"superseded          {s['superseded']:>8}   (older run events; the worker re-reads the run)",
+        f"superseded          {s['superseded']:>8}   (older run events, already re-read)",
         f"dead                {s['dead']:>8}",
         f"took {s['seconds']}s on {s['database_url']}",
         "",

@@ -70,40 +70,6 @@ def read(
     return entries
 
 
-def autoclaim(
-    client: redis.Redis,
-    stream_keys: list[str],
-    group: str,
-    consumer: str,
-    *,
-    min_idle_ms: int,
-    count: int,
-) -> list[Entry]:
-    """Take over entries idle longer than ``min_idle_ms`` (ours or a dead consumer's).
-
-    Loops ``XAUTOCLAIM``'s cursor to the end of each stream (bounded by ``count`` entries per
-    key); ids the stream no longer holds are dropped from the pending list by Redis itself.
-    """
-    claimed: list[Entry] = []
-    with translate_redis_errors():
-        for key in stream_keys:
-            cursor, taken = "0-0", 0
-            while taken < count:
-                reply = client.xautoclaim(
-                    key, group, consumer, min_idle_ms, start_id=cursor, count=count - taken
-                )
-                cursor = _text(reply[0])
-                items = reply[1]
-                deleted = reply[2] if len(reply) > 2 else []
-                if deleted:
-                    log.warning("%d pending entries of %s were trimmed away", len(deleted), key)
-                claimed += [Entry(key, _text(i), f or None) for i, f in items]
-                taken += len(items)
-                if cursor == "0-0":
-                    break
-    return with_delivery_counts(client, group, consumer, claimed) if claimed else []
-
-
 def with_delivery_counts(
     client: redis.Redis, group: str, consumer: str, entries: list[Entry]
 ) -> list[Entry]:

@@ -32,13 +32,16 @@ from relay import entry_ids, fence
 from relay.store import OutboxRow
 from shared import keys
 from shared.envelope import JSON_CONTENT_TYPE, SPECVERSION
-from shared.errors import UnavailableError
+from shared.errors import StreamBehindError, UnavailableError
 from shared.redis_conn import translate_redis_errors
 
 log = logging.getLogger(__name__)
 
 # KEYS: stream, fence key. ARGV: epoch, JSON [[entry id, [field, value, ...]], ...], maxlen (0:
-# none). Reply: {stream top behind a gap or '', one status per entry}. Each refused XADD is
+# none), floor (the newest id the outbox knows this stream holds, '' when unknown: a stream whose
+# last generated id is below it lost data, and nothing may be appended above the hole before
+# repair refills it, or consumers would read newer events before older ones: BEHIND <top>).
+# Reply: {stream top behind a gap or '', one status per entry}. Each refused XADD is
 # checked with XRANGE id id: the same event already there (an earlier attempt of this batch
 # landed) is "already"; otherwise the script stops appending, and checks each remaining entry
 # the same way so none that landed before is re-claimed under a new id (it would land twice).
@@ -65,6 +68,20 @@ local function top()
     if info[i] == 'last-generated-id' then return info[i + 1] end
   end
   return ''
+end
+local function older(a, b)
+  local am, as = string.match(a, '^(%d+)-(%d+)$')
+  local bm, bs = string.match(b, '^(%d+)-(%d+)$')
+  am, as, bm, bs = tonumber(am), tonumber(as), tonumber(bm), tonumber(bs)
+  return am < bm or (am == bm and as < bs)
+end
+local floor = ARGV[4]
+if floor ~= nil and floor ~= '' then
+  local now_top = top()
+  if now_top == '' then now_top = '0-0' end
+  if older(now_top, floor) then
+    return redis.error_reply('BEHIND ' .. now_top)
+  end
 end
 local out = {''}
 local stopped = false
@@ -152,13 +169,22 @@ def to_fields(row: OutboxRow) -> dict[str, str]:
 
 
 def append(
-    client: redis.Redis, prefix: str, rows: list[OutboxRow], epoch: int, maxlen: int = 0
+    client: redis.Redis,
+    prefix: str,
+    rows: list[OutboxRow],
+    epoch: int,
+    maxlen: int = 0,
+    floors: dict[str, str] | None = None,
 ) -> Verdicts:
     """Append a partition's batch (rows in id order) with :data:`SCRIPT`, one call per stream
     key, under the fence of lease ``epoch``; classify every row.
 
-    Raises :class:`LeaseLostError` when a stream's fence is above ``epoch`` (nothing of that
-    stream was written) and :class:`UnavailableError` when the outcome is unknown.
+    ``floors`` maps a stream key to the newest entry id this relay knows the stream holds
+    (delivered and marked, or seen by the repair check); it is raised here to the ids that
+    land. Raises :class:`LeaseLostError` when a stream's fence is above ``epoch`` (nothing of
+    that stream was written), :class:`StreamBehindError` when a stream's last id is below its
+    floor (Redis lost data: nothing was written; repair first) and :class:`UnavailableError`
+    when the outcome is unknown.
     """
     verdicts = Verdicts()
     if not rows:
@@ -166,15 +192,32 @@ def append(
     subs: dict[str, list[OutboxRow]] = {}
     for row in rows:
         subs.setdefault(keys.stream_key(prefix, row.stream, row.partition), []).append(row)
-    calls = [_call_args(prefix, sub, epoch, maxlen) for sub in subs.values()]
+    floors = {} if floors is None else floors
+    calls = [_call_args(prefix, sub, epoch, maxlen, floors.get(key, ""))
+             for key, sub in subs.items()]
     with translate_redis_errors():
         answers = _run(client, calls)
-        for sub, answer in zip(subs.values(), answers, strict=True):
+        for (key, sub), answer in zip(subs.items(), answers, strict=True):
             _classify(sub, answer, verdicts)
+            if not isinstance(answer, Exception):
+                _raise_floor(floors, key, [r.entry_id for r in sub], verdicts)
     return verdicts
 
 
-def _call_args(prefix: str, sub: list[OutboxRow], epoch: int, maxlen: int) -> tuple[Any, ...]:
+def _raise_floor(floors: dict[str, str], key: str, ids: list[str], verdicts: Verdicts) -> None:
+    """Raise ``floors[key]`` to the newest id of ``ids`` that Redis now holds."""
+    held = {entry_id for _seq, entry_id in verdicts.delivered}
+    landed = [i for i in ids if i in held]
+    if not landed:
+        return
+    newest = max(landed, key=entry_ids.parse)
+    if key not in floors or entry_ids.greater(newest, floors[key]):
+        floors[key] = newest
+
+
+def _call_args(
+    prefix: str, sub: list[OutboxRow], epoch: int, maxlen: int, floor: str
+) -> tuple[Any, ...]:
     first = sub[0]
     batch = [[r.entry_id, [x for kv in to_fields(r).items() for x in kv]] for r in sub]
     return (
@@ -183,6 +226,7 @@ def _call_args(prefix: str, sub: list[OutboxRow], epoch: int, maxlen: int) -> tu
         epoch,
         json.dumps(batch, ensure_ascii=False, separators=(",", ":")),
         maxlen,
+        floor,
     )
 
 
@@ -245,6 +289,10 @@ def _refused_call(sub: list[OutboxRow], err: Exception, verdicts: Verdicts) -> N
         lost = fence.fenced_out(err)
         if lost is not None:
             raise lost
+        if str(err).startswith("BEHIND"):
+            key = keys.stream_key("", sub[0].stream, sub[0].partition).lstrip(":")
+            raise StreamBehindError(f"stream {key} lost entries (its last id is "
+                                    f"{str(err)[7:]}); it is repaired before anything is appended")
     if isinstance(err, redis.ConnectionError | redis.TimeoutError):
         raise err
     code = error_code(err)

@@ -32,7 +32,7 @@ from relay import append, repair, store
 from relay.wakeup import Wakeup
 from shared import faults, keys
 from shared.db import is_postgres, now_ms
-from shared.errors import LeaseLostError, UnavailableError
+from shared.errors import LeaseLostError, StreamBehindError, UnavailableError
 from shared.settings import RelaySettings
 
 log = logging.getLogger(__name__)
@@ -239,7 +239,8 @@ class Relay:
     ) -> tuple[append.Verdicts, bool]:
         """The Redis side of a batch: the append script, then the optional durability barrier."""
         s = self.settings
-        verdicts = append.append(self.client, s.key_prefix, rows, epoch, s.stream_maxlen)
+        verdicts = append.append(self.client, s.key_prefix, rows, epoch, s.stream_maxlen,
+                                 self.repairer.floors)
         confirmed = not verdicts.delivered or append.durability_barrier(
             self.client, s.wait_replicas, s.wait_timeout_ms, s.wait_aof
         )
@@ -249,7 +250,9 @@ class Relay:
         """Wait for a batch's append; an unknown outcome is recorded and re-raised."""
         try:
             verdicts, confirmed = flight.result()
-        except UnavailableError:
+        except UnavailableError as err:
+            if isinstance(err, StreamBehindError):  # Redis lost data: refill before appending
+                self.repairer.check_soon()
             self.stats.unknown_outcomes += len(rows)
             store.record_unknown(
                 self.engine, rows[0].partition, [r.seq for r in rows], "unknown_outcome"

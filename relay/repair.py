@@ -212,13 +212,27 @@ class Repairer:
         self.node_id = node_id
         self.interval_s = interval_s
         self.stats = RepairStats()
+        # Stream key -> the newest entry id the outbox says the stream holds: the relay's
+        # append refuses to write above a stream whose last id is below it (Redis lost data;
+        # appending first would let consumers read newer events before the refilled older
+        # ones). Set by every check, raised by every append (relay/append.py).
+        self.floors: dict[str, str] = {}
+        self._next_check = 0.0
+        self._checked: dict[int, int] = {}
+
+    def check_soon(self) -> None:
+        """Run the check at the next round (an append found a stream behind its floor)."""
         self._next_check = 0.0
 
     def maybe_run(self, leases: dict[int, int]) -> int:
-        """Check (and repair) our partitions when due; returns entries appended back."""
-        if time.monotonic() < self._next_check or not leases:
+        """Check (and repair) our partitions when due, and at once for a partition newly
+        leased (so its floors are known before its first append); returns entries appended
+        back."""
+        new = any(self._checked.get(p) != e for p, e in leases.items())
+        if (time.monotonic() < self._next_check and not new) or not leases:
             return 0
         added = self.run(leases)
+        self._checked = dict(leases)
         self._next_check = time.monotonic() + self.interval_s
         return added
 
@@ -230,6 +244,8 @@ class Repairer:
         added = 0
         for (stream, partition), delivered in sorted(counts.items()):
             finding = compare(self.engine, self.client, s.key_prefix, stream, partition, delivered)
+            if finding.newest is not None:
+                self.floors[finding.key] = finding.newest
             if finding.reason is None:
                 continue
             try:

@@ -72,6 +72,12 @@ class UnavailableError(OutboxError):
     code = "unavailable"
 
 
+class StreamBehindError(UnavailableError):
+    """A stream holds less than the outbox delivered to it (Redis lost data): repair it first."""
+
+    code = "stream_behind"
+
+
 class InvalidEventError(OutboxError):
     """An event (from a producer or read from a stream) breaks the wire contract.
 

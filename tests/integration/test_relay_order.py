@@ -364,3 +364,40 @@ def test_a_lost_reply_with_held_rows_is_retried_exactly_once_in_order(
     assert r.stats.already_present >= 1
     assert_in_order_once(engine, redis_client, key_prefix)
     assert_each_once(redis_client, key_prefix, [row.event_id for row in outbox_rows(engine)])
+
+
+# --- broker data loss -----------------------------------------------------------------------
+
+
+def test_a_stream_that_lost_data_takes_no_new_entry_before_it_is_refilled(
+    engine: Engine, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    """Redis loses a stream (a restart without persistence) after revisions 1-3 were
+    delivered, and a consumer's ``XGROUP CREATE … MKSTREAM`` recreates it empty. Revision 4
+    must not be appended into the empty stream before the refill of 1-3 (a group reading from
+    0 would apply 4 before 3): the append script refuses it (``BEHIND``), the relay repairs
+    the stream first, and the stream ends 1, 2, 3, 4, each once."""
+    with engine.begin() as conn:
+        for rev in (1, 2, 3):
+            add(conn, "lossy", rev)
+    r = Relay(relay_settings(key_prefix, batch_size=2), engine, redis_client)
+    wait_until(lambda: r.run_once() is not None and undelivered(engine) == 0,
+               what="revisions 1-3 to go out")
+    key = keys.stream_key(key_prefix, STREAM, partition_of("lossy"))
+    assert r.repairer.floors.get(key)  # the newest delivered id is known to the relay
+    redis_client.delete(key, keys.fence_key(key_prefix, STREAM, partition_of("lossy")))
+    redis_client.xgroup_create(key, "g", id="0", mkstream=True)
+    with engine.begin() as conn:
+        add(conn, "lossy", 4)
+    r.repairer._next_check = float("inf")  # no scheduled check: only the refusal may trigger it
+    with pytest.raises(UnavailableError) as refused:
+        r.run_once()
+    assert refused.value.code == "stream_behind"
+    assert redis_client.xlen(key) == 0  # nothing was appended above the hole
+    wait_until(lambda: r.run_once() is not None and undelivered(engine) == 0,
+               what="the refill, then revision 4")
+    assert [f["revision"] for _p, _id, f in stream_entries(redis_client, key_prefix)] == [
+        "1", "2", "3", "4"]
+    assert_in_order_once(engine, redis_client, key_prefix)
+    group = redis_client.xreadgroup("g", "c", {key: ">"})
+    assert [fields[b"revision"] for _id, fields in group[0][1]] == [b"1", b"2", b"3", b"4"]

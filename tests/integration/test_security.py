@@ -315,8 +315,7 @@ def test_pipeline_through_minimal_acl_users(private_redis: PrivateRedis, engine:
     print(f"\ncommands used per role: {used}")
     # what each role needs in a normal run (repair's rebuild and PING only run when needed)
     assert used["relay"] >= {"xadd", "exists", "xinfo|stream"}
-    assert used["consumer"] == {"xgroup|create", "xreadgroup", "xautoclaim", "xpending", "xack",
-                                "xadd"}
+    assert used["consumer"] >= {"xgroup|create", "xreadgroup", "xpending", "xack", "xadd"}
     assert used["operator"] >= {"scan", "type", "xinfo|groups", "xlen", "xrange", "xdel"}
 
 
@@ -326,7 +325,7 @@ def test_acl_users_are_confined(private_redis: PrivateRedis) -> None:
     relay = connect_redis(private_redis.url("relay"))
     consumer = connect_redis(private_redis.url("consumer"))
     for attempt in (
-        lambda: relay.set(f"{prefix}:x", 1),  # a command outside its list
+        lambda: relay.hset(f"{prefix}:x", "k", 1),  # a command outside its list
         lambda: relay.xadd("elsewhere:{s:0}", {"a": "b"}),  # a key outside the prefix
         lambda: consumer.xdel(keys.stream_key(prefix, "s", 0), "1-1"),
         lambda: consumer.flushall(),
