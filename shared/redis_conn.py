@@ -50,10 +50,12 @@ def translate_redis_errors() -> Iterator[None]:
     except NoPermissionError as err:  # redis-py strips the "NOPERM" prefix from its text
         raise UnavailableError("Redis refused the command for our user (ACL)") from err
     except redis.ResponseError as err:
-        if str(err).startswith(("NOPERM", "NOAUTH", "WRONGPASS")):
+        # a pipeline wraps a command's error: "Command # 1 (XCLAIM …) of pipeline caused error: …"
+        text = str(err).split(" of pipeline caused error: ", 1)[-1]
+        if text.startswith(("NOPERM", "NOAUTH", "WRONGPASS")):
             raise UnavailableError("Redis refused the command for our user (ACL)") from err
-        if str(err).startswith("NOGROUP"):
+        if text.startswith("NOGROUP"):
             raise UnavailableError("the consumer group is missing (did Redis lose data?)") from err
-        if str(err).startswith(("LOADING", "BUSY ", "MASTERDOWN", "READONLY")):
+        if text.startswith(("LOADING", "BUSY ", "MASTERDOWN", "READONLY")):
             raise UnavailableError("Redis is not ready (loading, busy or read-only)") from err
         raise

@@ -125,7 +125,9 @@ def test_loss_followed_by_newer_appends_is_rebuilt_without_duplicates(
         redis_client.delete(keys.stream_key(key_prefix, "things", p))
     _enqueue(engine, key_prefix, 30, 10)
     relay = Relay(_settings(engine, key_prefix), engine, redis_client)
-    relay.repairer._next_check = float("inf")  # the loss happens right after a check
+    # A writer that never checked the stream (no floors: an older relay, another tool) appends
+    # above the hole; today's relay refuses that (test_relay_order: BEHIND) and repairs first.
+    relay.repairer.maybe_run = lambda leases: 0  # type: ignore[method-assign]
     relay.run(until_idle=True)
     assert sum(len(_in_stream(redis_client, key_prefix, p)) for p in range(PARTITIONS)) == 10
 
