@@ -29,7 +29,7 @@ from typing import Any
 import redis
 
 from relay import entry_ids, fence
-from relay.store import OutboxRow
+from relay.claim import OutboxRow
 from shared import keys
 from shared.envelope import JSON_CONTENT_TYPE, SPECVERSION
 from shared.errors import StreamBehindError, UnavailableError

@@ -28,7 +28,7 @@ from types import FrameType
 import redis
 from sqlalchemy import Engine
 
-from relay import append, repair, store
+from relay import append, claim, repair, store
 from relay.wakeup import Wakeup
 from shared import faults, keys
 from shared.db import is_postgres, now_ms
@@ -174,7 +174,7 @@ class Relay:
         self._found_rows = True
         deadline = time.monotonic() + min(1.0, s.lease_ttl_ms / 10_000)
 
-        def chained(rows: list[store.OutboxRow]) -> bool:
+        def chained(rows: list[claim.OutboxRow]) -> bool:
             """Whether to claim the batch after ``rows`` while ``rows`` is in flight."""
             return (
                 len(rows) >= s.batch_size
@@ -207,7 +207,7 @@ class Relay:
             if flight is not None:  # an error while the next batch was in flight
                 flight.wait_quietly()
 
-    def _more(self, rows: list[store.OutboxRow], verdicts: append.Verdicts) -> bool:
+    def _more(self, rows: list[claim.OutboxRow], verdicts: append.Verdicts) -> bool:
         """Whether the partition may have more work right away after this batch (not after a
         refusal: Redis refusing now, OOM or ACL, would refuse a hot retry too)."""
         if verdicts.failed:
@@ -223,8 +223,8 @@ class Relay:
         partition: int,
         epoch: int,
         after_seq: int | None,
-        inflight: list[store.OutboxRow] | None = None,
-    ) -> list[store.OutboxRow]:
+        inflight: list[claim.OutboxRow] | None = None,
+    ) -> list[claim.OutboxRow]:
         s = self.settings
         rows = store.claim(
             self.engine, partition, self.node_id, epoch, s.batch_size, s.lease_ttl_ms, now_ms(),
@@ -235,7 +235,7 @@ class Relay:
         return rows
 
     def _append(
-        self, rows: list[store.OutboxRow], epoch: int
+        self, rows: list[claim.OutboxRow], epoch: int
     ) -> tuple[append.Verdicts, bool]:
         """The Redis side of a batch: the append script, then the optional durability barrier."""
         s = self.settings
@@ -246,7 +246,7 @@ class Relay:
         )
         return verdicts, confirmed
 
-    def _finish(self, flight: _Append, rows: list[store.OutboxRow]) -> append.Verdicts:
+    def _finish(self, flight: _Append, rows: list[claim.OutboxRow]) -> append.Verdicts:
         """Wait for a batch's append; an unknown outcome is recorded and re-raised."""
         try:
             verdicts, confirmed = flight.result()
@@ -268,11 +268,11 @@ class Relay:
         self,
         partition: int,
         epoch: int,
-        rows: list[store.OutboxRow],
+        rows: list[claim.OutboxRow],
         verdicts: append.Verdicts,
         claim_after: int | None,
-        inflight: list[store.OutboxRow] | None = None,
-    ) -> list[store.OutboxRow]:
+        inflight: list[claim.OutboxRow] | None = None,
+    ) -> list[claim.OutboxRow]:
         """Settle a batch; with ``claim_after``, claim the next one in the same transaction
         (``inflight``: the batch appended meanwhile). A batch that did not land whole drops
         every recorded batch (the one claimed after it was never appended)."""
@@ -320,7 +320,7 @@ class Relay:
         self.leases = {}
 
 
-def _last_seq(rows: list[store.OutboxRow]) -> int:
+def _last_seq(rows: list[claim.OutboxRow]) -> int:
     """The greatest seq of a batch (rows are in id order, which is seq order but for rows an
     earlier relay version claimed)."""
     return max(r.seq for r in rows)
@@ -335,7 +335,7 @@ class _Append:
     batch's ``result``.
     """
 
-    def __init__(self, relay: Relay, rows: list[store.OutboxRow], epoch: int) -> None:
+    def __init__(self, relay: Relay, rows: list[claim.OutboxRow], epoch: int) -> None:
         self._relay, self._rows, self._epoch = relay, rows, epoch
         self._future: Future[None] | None = None
         self._outcome: tuple[append.Verdicts, bool] | None = None

@@ -1,4 +1,9 @@
-"""Every SQL statement of the relay: partition leases, claiming, marking (SQLAlchemy Core).
+"""The relay's transactions: partition leases, claim, settle, record_unknown, repair queries.
+
+The relay's SQL (SQLAlchemy Core) is in two modules. This one opens every transaction: leases
+and their fence, :func:`claim`, :func:`settle` (marking rows delivered, behind a gap or refused),
+:func:`record_unknown` and the broker data-loss repair's queries. :mod:`relay.claim` holds the
+claim's selection, run inside a transaction opened here once the lease is fenced.
 
 Each public function runs one short transaction and returns plain data; none is ever held open
 across a Redis call. Every write that depends on owning a partition re-checks the lease's owner
@@ -7,22 +12,17 @@ and fencing epoch in the same transaction, so a relay that lost its lease cannot
 
 from __future__ import annotations
 
-import functools
 import json
 import math
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields
+from collections.abc import Sequence
 from typing import Any
 
 from sqlalchemy import (
     BigInteger,
-    ColumnElement,
     Connection,
     Engine,
-    Integer,
     String,
     bindparam,
-    cast,
     column,
     delete,
     func,
@@ -33,58 +33,19 @@ from sqlalchemy import (
 from sqlalchemy.dialects import postgresql, sqlite
 
 from relay import entry_ids
+from relay.claim import (
+    Batch,
+    OutboxRow,
+    claim_fresh,
+    claimable,
+    first_claimable,
+    load_batches,
+    record,
+    recorded_rows,
+)
 from shared.db import db_now_ms, is_postgres, json_recordset, now_ms, translate_errors
 from shared.errors import LeaseLostError
 from shared.schema import outbox, relay_leases, relay_nodes
-
-
-@dataclass(frozen=True)
-class OutboxRow:
-    """A claimed row, with the entry id it must be appended under."""
-
-    seq: int
-    event_id: str
-    stream: str
-    partition: int
-    aggregate_type: str | None
-    aggregate_id: str | None
-    revision: int | None
-    type: str
-    source: str
-    payload: str
-    headers: str
-    created_at_ms: int
-    entry_id: str
-    retry: bool = False  # claimed before (a batch the lease row still records): same id
-
-
-@dataclass(frozen=True)
-class Batch:
-    """A claimed, unsettled batch as its partition's lease row records it.
-
-    Its rows are the partition's undelivered rows with ``first_seq <= seq <= last_seq``; each
-    is appended under ``<ms>-<seq>``. Recording three numbers in the one lease row replaces
-    writing an entry id on every claimed row (a second index-rewriting update of the whole
-    batch), and still lets any retry — this relay's or the next owner's — use the same ids.
-    """
-
-    first_seq: int
-    last_seq: int
-    ms: int
-
-
-# The columns a claim reads, in OutboxRow's field order (up to entry_id). A pending row has an
-# entry_id only if an earlier version of the relay claimed it (ids were written per row then).
-_CLAIMED = tuple(outbox.c[f.name] for f in fields(OutboxRow)[:13])
-_new_row: Callable[..., OutboxRow] = OutboxRow  # positional construction from those columns
-
-
-def _load_batches(text: str) -> list[Batch]:
-    return [Batch(*b) for b in json.loads(text or "[]")]
-
-
-def _dump_batches(batches: list[Batch]) -> str:
-    return json.dumps([[b.first_seq, b.last_seq, b.ms] for b in batches], separators=(",", ":"))
 
 
 def _upsert(conn: Connection) -> Any:
@@ -214,7 +175,7 @@ def _fence(
     stmt = update(relay_leases).where(*_ours(partition, node_id, epoch, now))
     if pending is not None:
         stmt = stmt.where(
-            or_(relay_leases.c.inflight != "[]", _first_pending(pending).is_not(None))
+            or_(relay_leases.c.inflight != "[]", first_claimable(pending).is_not(None))
         )
     found = conn.execute(
         stmt.values(expires_at_ms=now + ttl_ms)
@@ -222,46 +183,12 @@ def _fence(
                    db_now_ms(is_postgres(conn)))
     ).first()
     if found is not None:
-        return str(found[0]), _load_batches(found[1]), int(found[2])
+        return str(found[0]), load_batches(found[1]), int(found[2])
     if pending is None or conn.execute(
         select(relay_leases.c.partition).where(*_ours(partition, node_id, epoch, now))
     ).first() is None:
         raise LeaseLostError(f"partition {partition} is no longer ours (epoch {epoch})")
     return None
-
-
-def _pending(
-    partition: int, now: int | ColumnElement[int], after_seq: int | None
-) -> tuple[Any, ...]:
-    """The claimable rows of a partition, in a form only the pending index serves in order.
-
-    ``now`` is the database's clock (a value the transaction read once, or the expression).
-
-    ``partition BETWEEN p AND p`` rather than ``partition = p``, with ``ORDER BY partition,
-    seq`` (:data:`_IN_ORDER`): with an equality, PostgreSQL may walk the primary key in seq
-    order and filter, expecting claimable rows to be spread evenly; they all come after the
-    delivered ones, so that plan read every delivered row before finding a batch (250 ms per
-    claim over 400,000 rows, measured with ``EXPLAIN ANALYZE``; 30 ms with the partial index,
-    which only grows with its dead entries until VACUUM). A range keeps ``partition`` in the
-    ordering, which only the partial index ``(partition, seq) WHERE delivered_at_ms IS NULL``
-    provides.
-    """
-    return (
-        outbox.c.partition.between(partition, partition),
-        outbox.c.delivered_at_ms.is_(None),
-        outbox.c.available_at_ms <= now,
-        outbox.c.seq > (after_seq if after_seq is not None else -1),
-    )
-
-
-_IN_ORDER = (outbox.c.partition, outbox.c.seq)
-
-
-def _first_pending(pending: tuple[Any, ...]) -> Any:
-    """The first claimable seq (a scalar subquery, NULL when none), found through the pending
-    index: ``EXISTS`` would be planned as a scan that stops at the first match, which reads
-    every delivered row before the first pending one."""
-    return select(outbox.c.seq).where(*pending).order_by(*_IN_ORDER).limit(1).scalar_subquery()
 
 
 def _undelivered(conn: Connection, partition: int) -> tuple[Any, ...]:
@@ -300,7 +227,7 @@ def claim(
     recorded on the lease row. ``after_seq`` skips rows up to that seq: the relay claims the
     next batch while the previous one (still undelivered, its seqs in ``inflight``) is being
     appended. A row is held back while an earlier undelivered row of its aggregate is neither
-    in ``inflight`` nor ahead of it in the batch (:func:`_select_claimable`). Raises
+    in ``inflight`` nor ahead of it in the batch (:mod:`relay.claim`). Raises
     :class:`LeaseLostError` when fenced out.
     """
     with translate_errors(), engine.begin() as conn:
@@ -309,210 +236,20 @@ def claim(
             lease = _fence(conn, partition, node_id, epoch, now, ttl_ms)
             assert lease is not None
             last, batches, db_now = lease
-            return _claim_fresh(conn, partition, epoch, batch_size, db_now, last, batches,
-                                after_seq=after_seq, inflight=inflight)
-        pending = _pending(partition, db_now_ms(is_postgres(conn)), None)
+            return claim_fresh(conn, partition, epoch, batch_size, db_now, last, batches,
+                               after_seq=after_seq, inflight=inflight)
+        pending = claimable(partition, db_now_ms(is_postgres(conn)), None)
         found = _fence(conn, partition, node_id, epoch, now, ttl_ms, pending=pending)
         if found is None:
             return []
         last, batches, db_now = found
         if batches:
-            rows = _recorded_rows(conn, partition, batches, db_now)
+            rows = recorded_rows(conn, partition, batches, db_now)
             if rows:
                 return rows
             batches = []  # their rows are gone: nothing left to retry
-        return _claim_fresh(conn, partition, epoch, batch_size, db_now, last, batches,
-                            force_write=True)
-
-
-def _recorded_rows(
-    conn: Connection, partition: int, batches: list[Batch], now: int
-) -> list[OutboxRow]:
-    """The undelivered rows of the recorded batches, in id order, under their recorded ids."""
-    rows = conn.execute(
-        select(*_CLAIMED)
-        .where(
-            outbox.c.partition.between(partition, partition),  # see _pending
-            outbox.c.delivered_at_ms.is_(None),
-            outbox.c.available_at_ms <= now,
-            or_(*(outbox.c.seq.between(b.first_seq, b.last_seq) for b in batches)),
-        )
-        .order_by(*_IN_ORDER)
-    ).all()
-    out = []
-    for r in rows:
-        ms = next(b.ms for b in batches if b.first_seq <= r[0] <= b.last_seq)
-        out.append(_new_row(*r[:12], r[12] or entry_ids.format_id(ms, r[0]), True))
-    return _by_id(out)
-
-
-def _by_id(rows: list[OutboxRow]) -> list[OutboxRow]:
-    """Rows in entry id order: the order their ``XADD`` must follow.
-
-    Only differs from seq order when a row carries an id an earlier version of the relay
-    wrote when it claimed the row (ids were written per row then): those are below every
-    batch id, so they go first, keeping the batch's ids increasing.
-    """
-    return sorted(rows, key=lambda r: entry_ids.parse(r.entry_id))
-
-
-def _claim_fresh(
-    conn: Connection,
-    partition: int,
-    epoch: int,
-    batch_size: int,
-    now: int,
-    last: str,
-    batches: list[Batch],
-    *,
-    after_seq: int | None = None,
-    inflight: Sequence[int] = (),
-    force_write: bool = False,
-) -> list[OutboxRow]:
-    """Select a new batch after the recorded ones and record it (one lease-row write).
-
-    The record is the batch's runs of consecutive claimable rows, all under one ``ms``: a row
-    held back splits a run, so a retry of the record (:func:`_recorded_rows`) never includes it.
-    """
-    rows, runs = (
-        _select_claimable(conn, partition, batch_size, now, after_seq, inflight)
-        if batch_size > 0 else ([], [])
-    )
-    new_last = last
-    if rows:
-        ms = entry_ids.batch_ms(last, now_ms())
-        batches = [*batches, *(Batch(first, end, ms) for first, end in runs)]
-        new_last = entry_ids.format_id(ms, runs[-1][1])
-    if rows or force_write:
-        _record(conn, partition, epoch, batches, new_last)
-    if not rows:
-        return []
-    ms = batches[-1].ms
-    out, legacy = [], False
-    for r in rows:  # positional: the columns are selected in OutboxRow's field order
-        if r[12] is None:
-            out.append(_new_row(*r[:12], f"{ms}-{r[0]}"))
-        else:
-            legacy = True
-            out.append(_new_row(*r[:12], r[12], True))
-    return _by_id(out) if legacy else out
-
-
-# How many times a claim reads further when rows were held back (each read up to the rows
-# still missing): bounds the work when many rows wait behind one delayed or failed row.
-MAX_READS = 8
-SLACK = 64  # rows a read returns beyond the candidates wanted, for the blockers among them
-
-
-def _select_claimable(
-    conn: Connection,
-    partition: int,
-    limit: int,
-    now: int,
-    after_seq: int | None,
-    inflight: Sequence[int],
-) -> tuple[list[Any], list[tuple[int, int]]]:
-    """Up to ``limit`` pending rows after ``after_seq`` that may go out now, and their runs.
-
-    **A row never overtakes an earlier row of its aggregate** (same stream and aggregate type
-    and id): a candidate is held back while an undelivered row of its aggregate with a lower
-    seq exists that is neither ahead of it in this batch nor in ``inflight`` (the batch being
-    appended now, which goes out first and whose failure stops the chain). Such a **blocker**
-    is a delayed row (``available_at_ms`` after the database's ``now``), a row at or below
-    ``after_seq`` that committed after the chain passed its seq (on PostgreSQL seq order is
-    not commit order) or a row whose append failed; a held row blocks its own later rows in
-    turn. Rows without an aggregate id have no order to keep. Returns the rows (seq order)
-    and the ``(first seq, last seq)`` runs of consecutive claimed candidates.
-    """
-    claimed: list[Any] = []
-    runs: list[tuple[int, int]] = []
-    run: tuple[int, int] | None = None  # the open run: consecutive claimed candidates
-    blocked: set[tuple[Any, Any, Any]] = set()
-    floor = after_seq if after_seq is not None else -1
-    above = -1  # blockers are looked up among the rows after this seq
-    postgres = is_postgres(conn)
-    for _ in range(MAX_READS):
-        n = limit - len(claimed) + SLACK
-        params: dict[str, Any] = {"b_part": partition, "b_now": now, "b_floor": floor,
-                                  "b_above": above, "b_limit": n}
-        left_behind = after_seq is not None and above < after_seq
-        if left_behind:
-            params.update(b_after=after_seq, b_inflight=json.dumps(list(inflight)))
-        rows = conn.execute(_read_query(postgres, left_behind), params).all()
-        for r in rows:
-            key = (r[2], r[4], r[5])
-            if r[0] <= floor or r[13] > now:  # a blocker (the query returns no other rows)
-                blocked.add(key)
-            elif r[5] is not None and key in blocked:  # held back
-                if run is not None:
-                    runs.append(run)
-                    run = None
-            else:
-                claimed.append(r)
-                run = (r[0] if run is None else run[0], r[0])
-                if len(claimed) >= limit:
-                    break
-        if len(claimed) >= limit or len(rows) < n:
-            break
-        above = rows[-1][0]  # read on; never claim at or below after_seq (the batch in flight)
-        floor = max(floor, above)
-    if run is not None:
-        runs.append(run)
-    return claimed, runs
-
-
-@functools.cache
-def _read_query(postgres: bool, left_behind: bool) -> Any:
-    """One read of :func:`_select_claimable`, a statement built once (building it cost as
-    much as running it): in seq order, up to ``b_limit`` rows after ``b_above`` that are
-    either **candidates** (claimable: after ``b_floor`` and available) or **blockers** (with
-    an aggregate id, and delayed or, with ``left_behind``, at or below ``b_after`` and not in
-    the JSON array ``b_inflight``), each with its ``available_at_ms`` to tell them apart.
-
-    One scan of the pending index ``(partition, seq) WHERE delivered_at_ms IS NULL`` in
-    order (see :func:`_pending`), which stops after ``b_limit`` rows: it passes the batch in
-    flight (never returned) and every other pending row once.
-    """
-    part, now = bindparam("b_part", type_=Integer), bindparam("b_now", type_=BigInteger)
-    candidate = (outbox.c.seq > bindparam("b_floor", type_=BigInteger)) & (
-        outbox.c.available_at_ms <= now)
-    blocking: Any = outbox.c.available_at_ms > now
-    if left_behind:
-        after = bindparam("b_after", type_=BigInteger)
-        blocking = or_(blocking, (outbox.c.seq <= after) & outbox.c.seq.not_in(
-            _json_seqs(postgres)))
-    return (
-        select(*_CLAIMED, outbox.c.available_at_ms)
-        .where(
-            outbox.c.partition.between(part, part),
-            outbox.c.delivered_at_ms.is_(None),
-            outbox.c.seq > bindparam("b_above", type_=BigInteger),
-            or_(candidate, outbox.c.aggregate_id.is_not(None) & blocking),
-        )
-        .order_by(*_IN_ORDER)
-        .limit(bindparam("b_limit", type_=Integer))
-    )
-
-
-def _json_seqs(postgres: bool) -> Any:
-    """``SELECT`` the seqs of the JSON array parameter ``b_inflight`` (one constant statement
-    whatever their number)."""
-    if postgres:
-        given = cast(bindparam("b_inflight", type_=String), postgresql.JSON)
-        values = func.json_array_elements_text(given).table_valued("value")
-        return select(cast(values.c.value, BigInteger))
-    values = func.json_each(bindparam("b_inflight")).table_valued("value")
-    return select(values.c.value)
-
-
-def _record(
-    conn: Connection, partition: int, epoch: int, batches: list[Batch], last: str
-) -> None:
-    conn.execute(
-        update(relay_leases)
-        .where(relay_leases.c.partition == partition, relay_leases.c.epoch == epoch)
-        .values(inflight=_dump_batches(batches), last_entry_id=last)
-    )
+        return claim_fresh(conn, partition, epoch, batch_size, db_now, last, batches,
+                           force_write=True)
 
 
 def _mark_delivered(
@@ -613,10 +350,10 @@ def settle(
         through = max(settled, default=-1)
         batches = [] if drop_recorded else [b for b in batches if b.first_seq > through]
         if claim_after is None:
-            _record(conn, partition, epoch, batches, last)
+            record(conn, partition, epoch, batches, last)
             return []
-        return _claim_fresh(conn, partition, epoch, batch_size, db_now, last, batches,
-                            after_seq=claim_after, inflight=inflight, force_write=True)
+        return claim_fresh(conn, partition, epoch, batch_size, db_now, last, batches,
+                           after_seq=claim_after, inflight=inflight, force_write=True)
 
 
 def record_unknown(engine: Engine, partition: int, seqs: list[int], code: str) -> None:

@@ -25,7 +25,6 @@ from tests.helpers import (
     PARTITIONS,
     STREAM,
     consumer_settings,
-    create_effects,
     dead_letters,
     effect_counts,
     enqueue_events,
@@ -58,11 +57,6 @@ class Recorder:
         if self.fails(ev, self.calls[ev.id]):
             raise RuntimeError("the handler failed on purpose")
 
-
-@pytest.fixture
-def effects_engine(engine: Engine) -> Engine:
-    create_effects(engine)
-    return engine
 
 
 def make_consumer(

@@ -25,7 +25,6 @@ from tests.helpers import (
     GROUP,
     PARTITIONS,
     consumer_settings,
-    create_effects,
     effect_counts,
     effects,
     event,
@@ -64,11 +63,6 @@ class App:
         if self.fails(ev, self.calls[ev.id]):
             raise RuntimeError("the handler failed on purpose")
 
-
-@pytest.fixture
-def effects_engine(engine: Engine) -> Engine:
-    create_effects(engine)
-    return engine
 
 
 def make_consumer(engine: Engine, client: redis.Redis, prefix: str, app: App,

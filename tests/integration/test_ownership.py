@@ -27,7 +27,6 @@ from tests.helpers import (
     PARTITIONS,
     STREAM,
     consumer_settings,
-    create_effects,
     effects,
     event,
     key_of,
@@ -59,11 +58,6 @@ class Recorder:
         if self.fail:
             raise RuntimeError("this consumer's handler fails on purpose")
 
-
-@pytest.fixture
-def effects_engine(engine: Engine) -> Engine:
-    create_effects(engine)
-    return engine
 
 
 def owned(

@@ -17,7 +17,7 @@ import redis
 from sqlalchemy import Engine, select, update
 
 from producer import Producer
-from relay import append, store
+from relay import append, claim, store
 from relay.daemon import Relay
 from shared import keys
 from shared.db import now_ms
@@ -367,7 +367,7 @@ def test_fenced_out_relay_cannot_mark_and_its_late_xadd_does_not_duplicate(
     assert_all_marked(engine, redis_client, key_prefix)
 
 
-def claim_three(engine: Engine) -> tuple[list[str], int, int, list[store.OutboxRow]]:
+def claim_three(engine: Engine) -> tuple[list[str], int, int, list[claim.OutboxRow]]:
     """Enqueue three events of one aggregate and claim them as relay "a": (ids, partition,
     epoch, rows)."""
     ids = enqueue_events(engine, 3, aggregates=1)
