@@ -220,6 +220,8 @@ class Consumer:
                 cursors[e.key] = e.entry_id
             self.stats.autoclaimed += len(entries)
             handled += self._process_owned(entries)
+            if self._pass_due:  # a lease was lost mid-pass: its batch rolled back, and the
+                break  # other keys' cursors moved past it; redo the pass from the start
             self._renew_leases()  # a long pass must not outlive its leases
             still = set(self.leases.readable())
             cursors = {k: v for k, v in cursors.items() if k in seen and k in still}
@@ -262,9 +264,24 @@ class Consumer:
             log.warning("consumer %s lost %s to another consumer of group %s; "
                         "its batch was not committed", self.name, dropped, self.settings.group)
             return 0
+        except UnavailableError:
+            self._pass_due = True
+            self._uncount(entries)
+            raise
         except BaseException:
             self._pass_due = True
             raise
+
+    def _uncount(self, entries: list[Entry]) -> None:
+        """Put back the delivery counters of a batch whose claim failed before deciding
+        anything (database or Redis unavailable): no handler ran, so the re-reads that retry
+        it must not count toward ``max_deliveries`` (else a short outage dead-letters every
+        pending event). Best effort: with Redis down too, the counters stay as they are."""
+        try:
+            streams.restore_delivery_count(self.client, self.settings.group, self.name,
+                                           [e for e in entries if e.fields is not None])
+        except UnavailableError:
+            log.debug("could not restore delivery counters", exc_info=True)
 
     def _release_leases(self) -> None:
         try:

@@ -2,8 +2,9 @@
 
 The vocabulary of outcomes lives here (and is re-exported by :mod:`consumer.inbox`, whose
 claim transaction calls :func:`decide_batch`); this module runs handlers but issues no SQL of
-its own. For each delivery, in this order: a known event id is a ``duplicate``; a ``strict``
-delivery of a *blocked* aggregate (an earlier event of it failing or waiting) is ``waiting``;
+its own. For each delivery, in this order: a known event id is a ``duplicate``; a delivery of
+a *blocked* aggregate (an earlier strict event of it failing or waiting) is ``waiting``, also
+a ``latest`` one (it would raise the head past the strict event);
 a delivery the daemon marked dead is ``dead``; a revision below the group's applied head is
 ``dead`` with reason ``out_of_order`` (strict) or ``superseded`` (latest); otherwise (equal
 or newer: several events may share a revision) the handler runs (design.md flow 3).
@@ -126,7 +127,9 @@ def _decide(
         reason = ledger.seen[event.id]
         return Outcome(d, DUPLICATE, reason, ledger.heads.get(key) if reason and key else None)
     strict = handlers.ordering(event.type) == "strict"
-    if strict and key is not None and key in ledger.blocked and not d.replay:
+    if key is not None and key in ledger.blocked and not d.replay:
+        # A latest event waits too: applied now, it would raise the head past the failing
+        # strict one, which would then come back out_of_order.
         return Outcome(d, WAITING)
     if d.dead_reason is not None:
         ledger.seen[event.id] = None

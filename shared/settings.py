@@ -90,7 +90,7 @@ class ConsumerSettings(CommonSettings):
         "pending entries at once (see lease_ttl_ms).",
     )
     claim_interval_ms: int = Field(
-        1_000, ge=100,
+        5_000, ge=100,
         description="How often the owner re-reads pending entries (failed or waiting ones), "
         "in id order, while there are any.",
     )

@@ -204,6 +204,56 @@ def test_latest_an_older_revision_is_superseded_and_acknowledged(
     assert pending_total(redis_client, key_prefix) == 0
 
 
+def test_a_latest_event_waits_behind_a_failing_strict_one_of_its_aggregate(
+    effects_engine: Engine, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    """Strict rev 1 fails once; latest rev 2 of the same aggregate must not raise the head past
+    it (rev 1 would then come back out_of_order): it waits, and both apply in order."""
+    strict1, latest2 = event("mix", 1), event("mix", 2, type="news.changed")
+    app = App(fails=lambda ev, n: ev.id == strict1.id and n == 1)
+    consumer = make_consumer(effects_engine, redis_client, key_prefix, app)
+    xadd_event(redis_client, key_prefix, strict1)
+    xadd_event(redis_client, key_prefix, latest2)
+    consumer.run_once()
+    assert (consumer.stats.failed, consumer.stats.waiting) == (1, 1)
+    pending_pass(consumer)
+    assert apply_order(effects_engine) == [strict1.id, latest2.id]
+    assert outcomes(effects_engine) == {strict1.id: ("applied", None),
+                                        latest2.id: ("applied", None)}
+    assert letters(redis_client, key_prefix, "mix") == []
+
+
+def test_a_database_outage_never_counts_as_deliveries(
+    effects_engine: Engine, redis_client: redis.Redis, key_prefix: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The claim fails (database unavailable) more times than max_deliveries while the
+    consumer keeps re-reading its pending entries: no handler ever ran, so when the database is
+    back nothing is dead-lettered as max_deliveries; everything applies."""
+    from consumer import inbox
+
+    evs = [event("x", 1), event("x", 2), event("y", 1)]
+    app = App()
+    consumer = make_consumer(effects_engine, redis_client, key_prefix, app, max_deliveries=2)
+    for ev in evs:
+        xadd_event(redis_client, key_prefix, ev)
+    real_claim, failures = inbox.claim, [0]
+
+    def down(*args: Any, **kwargs: Any) -> Any:
+        if failures[0] < 6:
+            failures[0] += 1
+            raise UnavailableError("the database is down")
+        return real_claim(*args, **kwargs)
+
+    monkeypatch.setattr(inbox, "claim", down)
+    while failures[0] < 6:
+        with pytest.raises(UnavailableError):
+            consumer.run_once()
+    consumer.run_once()
+    assert sorted(apply_order(effects_engine)) == sorted(ev.id for ev in evs)
+    assert consumer.stats.dead == 0 and letters(redis_client, key_prefix, "x") == []
+
+
 def make_out_of_order(engine: Engine, client: redis.Redis, prefix: str,
                       consumer: Consumer) -> tuple[Event, Event]:
     newer, older = event("o", 2), event("o", 1)

@@ -401,3 +401,25 @@ def test_a_stream_that_lost_data_takes_no_new_entry_before_it_is_refilled(
     assert_in_order_once(engine, redis_client, key_prefix)
     group = redis_client.xreadgroup("g", "c", {key: ">"})
     assert [fields[b"revision"] for _id, fields in group[0][1]] == [b"1", b"2", b"3", b"4"]
+
+
+def test_thousands_of_scheduled_rows_at_the_head_do_not_stall_what_is_ready_behind_them(
+    engine: Engine, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    """8,000 rows delayed by an hour sit at the head of a partition (reminders, timeouts), each
+    a blocker of its own aggregate; rows of other aggregates committed after them are ready
+    now. The claim reads past the scheduled rows (its reads grow) and relays the ready ones;
+    the scheduled rows stay pending."""
+    part = partition_of("now-0")
+    later = aggregates_in(part, 8000, prefix="later")
+    ready = aggregates_in(part, 3, prefix="now")
+    with engine.begin() as conn:
+        for agg in later:
+            add(conn, agg, 1, delay_ms=3_600_000)
+        for agg in ready:
+            add(conn, agg, 1)
+    r = Relay(relay_settings(key_prefix), engine, redis_client)
+    r.run_once()
+    in_stream = [f["aggregateid"] for _p, _id, f in stream_entries(redis_client, key_prefix)]
+    assert in_stream == ready
+    assert undelivered(engine) == 8000
