@@ -125,7 +125,11 @@ def repair(
             return "refill", added
     rows = store.delivered_rows(engine, finding.stream, finding.partition)
     restored = rebuild(client, finding, epoch, rows, maxlen, chunk)
-    return ("changed", added) if restored is None else ("rebuild", added + restored)
+    if restored is None:
+        return "changed", added
+    log.warning("repair: rebuild %s (%s): %d entries appended back under their original ids",
+                finding.key, finding.reason, restored)
+    return "rebuild", added + restored
 
 
 def refill(
@@ -141,6 +145,9 @@ def refill(
         part = [(r.entry_id, _flat(r)) for r in rows[start : start + chunk]]
         landed, refusal = streams.refill(client, finding.key, finding.fence, epoch, part)
         added += landed
+        if landed:  # as each chunk lands: a relay killed before the end still says what it did
+            log.warning("repair: refill %s (%s): %d entries appended back under their "
+                        "original ids", finding.key, finding.reason, landed)
         if refusal:
             log.info("refill of %s stopped at %s: %s", finding.key, part[landed][0], refusal)
             break
@@ -278,7 +285,6 @@ class Repairer:
             self.stats.rebuilds += 1
         self.stats.findings.append(finding)
         del self.stats.findings[:-100]
-        log.warning(
-            "repair: %s %s (%s): %d entries appended back under their original ids",
-            how, finding.key, finding.reason, n,
-        )
+        if how == "changed":  # refill() and repair() logged what landed, as it landed
+            log.warning("repair of %s (%s) starts over: the stream changed during the rebuild",
+                        finding.key, finding.reason)
