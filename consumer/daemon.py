@@ -173,7 +173,20 @@ class Consumer:
         except UnavailableError:
             self._pass_due = True  # unknown outcome: entries may have been delivered to us
             raise
-        return handled + self._process_owned(entries)
+        return handled + self._process_owned(self._behind_foreign(entries))
+
+    def _behind_foreign(self, entries: list[Entry]) -> list[Entry]:
+        """New entries of keys on which another consumer still holds pending (older) entries
+        wait: they stay pending for us, and a pending pass takes the others over and applies
+        everything in id order (see :func:`consumer.streams.foreign_pending`)."""
+        if not entries or not self.leases.enabled:
+            return entries
+        foreign = streams.foreign_pending(
+            self.client, sorted({e.key for e in entries}), self.settings.group, self.name)
+        if not foreign:
+            return entries
+        self._pass_due = True
+        return [e for e in entries if e.key not in foreign]
 
     def drain_pending(self) -> int:
         """The pending pass: take over, then re-read in id order, every pending entry of the

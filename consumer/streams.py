@@ -222,3 +222,32 @@ def group_pending(client: redis.Redis, stream_keys: list[str], group: str) -> di
             pipe.xpending(key, group)
         replies: Any = pipe.execute()
     return {key: int(reply["pending"]) for key, reply in zip(stream_keys, replies, strict=True)}
+
+
+def foreign_pending(
+    client: redis.Redis, stream_keys: list[str], group: str, consumer: str
+) -> set[str]:
+    """The keys on which another consumer of ``group`` holds pending entries (``XPENDING``
+    summaries, pipelined).
+
+    The owner of a partition stream asks after each read: a consumer that lost the lease can
+    still have had a read executed by Redis after the takeover (its process paused between its
+    lease check and the send), leaving older entries in its pending list; the owner must take
+    those over and apply them first, never read past them.
+    """
+    if not stream_keys:
+        return set()
+    with translate_redis_errors():
+        pipe = client.pipeline(transaction=False)
+        for key in stream_keys:
+            pipe.xpending(key, group)
+        replies: Any = pipe.execute()
+    me = consumer.encode()
+    return {
+        key for key, reply in zip(stream_keys, replies, strict=True)
+        if any(_bytes(c["name"]) != me for c in reply.get("consumers") or [])
+    }
+
+
+def _bytes(value: bytes | str) -> bytes:
+    return value if isinstance(value, bytes) else value.encode()

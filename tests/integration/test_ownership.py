@@ -310,3 +310,26 @@ def waiting_on_a_lock(engine: Engine) -> bool:
         return bool(conn.execute(text(
             "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
             "AND query LIKE :q"), {"q": "%outbox_consumer_leases%"}).scalar())
+
+
+def test_a_stale_read_by_a_fenced_out_consumer_is_applied_before_anything_newer(
+    effects_engine: Engine, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    """The old owner's ``XREADGROUP >`` reaches Redis after the new owner took the key over (its
+    process paused between its lease check and the send): revision 1 lands in the old owner's
+    pending list. The new owner reads revision 2 next; it must not apply it before revision 1:
+    it sees another consumer's pending entries on its key, takes them over, applies 1 then 2."""
+    rb = Recorder("b")  # no periodic pending check during the test: only the read's own
+    b = owned(effects_engine, redis_client, key_prefix, "b", rb, claim_interval_ms=60_000)
+    wait_until(lambda: step(b) and len(b.leases.held) == PARTITIONS, what="b to own every key")
+    key = next(iter(b.leases.held))
+    agg = aggregates_on(key_prefix, key, 1)[0]
+    rev1, rev2 = event(agg, 1), event(agg, 2)
+    xadd_event(redis_client, key_prefix, rev1)
+    stale = redis_client.xreadgroup(GROUP, "a", {key: ">"}, count=1)  # the old owner's read
+    assert stale and len(stale[0][1]) == 1
+    xadd_event(redis_client, key_prefix, rev2)
+    wait_until(lambda: step(b) and len(applied_order(effects_engine)) == 2,
+               what="b to apply both revisions")
+    assert applied_order(effects_engine) == [(rev1.id, "b"), (rev2.id, "b")]
+    assert pending_total(redis_client, key_prefix) == 0
