@@ -251,12 +251,12 @@ class Relay:
         try:
             verdicts, confirmed = flight.result()
         except UnavailableError as err:
+            code = "unknown_outcome"
             if isinstance(err, StreamBehindError):  # Redis lost data: refill before appending
                 self.repairer.check_soon()
+                code = err.code  # what `outbox status` shows as the rows' last error
             self.stats.unknown_outcomes += len(rows)
-            store.record_unknown(
-                self.engine, rows[0].partition, [r.seq for r in rows], "unknown_outcome"
-            )
+            store.record_unknown(self.engine, rows[0].partition, [r.seq for r in rows], code)
             raise
         if not confirmed:
             log.warning("durability barrier not met; %d entries stay unmarked", len(rows))

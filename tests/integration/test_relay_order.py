@@ -394,6 +394,8 @@ def test_a_stream_that_lost_data_takes_no_new_entry_before_it_is_refilled(
         r.run_once()
     assert refused.value.code == "stream_behind"
     assert redis_client.xlen(key) == 0  # nothing was appended above the hole
+    rev4 = next(r for r in outbox_rows(engine) if r.revision == 4)
+    assert rev4.last_error == "stream_behind"  # what `outbox status` shows meanwhile
     wait_until(lambda: r.run_once() is not None and undelivered(engine) == 0,
                what="the refill, then revision 4")
     assert [f["revision"] for _p, _id, f in stream_entries(redis_client, key_prefix)] == [
