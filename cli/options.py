@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from typing import Any, TypeVar
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, BeforeValidator, ValidationError
 
 from shared.errors import ConfigError
 
@@ -26,7 +26,9 @@ def add_settings_flags(parser: argparse.ArgumentParser, model: type[BaseModel]) 
                 help=help_text,
             )
         else:
-            kind: type = field.annotation if field.annotation in (int, float) else str  # type: ignore[assignment]
+            duration = any(isinstance(m, BeforeValidator) for m in field.metadata)
+            numeric = field.annotation in (int, float) and not duration  # "7d" is a duration
+            kind: type = field.annotation if numeric else str  # type: ignore[assignment]
             group.add_argument(flag, dest=name, type=kind, default=None, help=help_text,
                                metavar=name.upper())
 

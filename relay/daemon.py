@@ -239,7 +239,7 @@ class Relay:
     ) -> tuple[append.Verdicts, bool]:
         """The Redis side of a batch: the append script, then the optional durability barrier."""
         s = self.settings
-        verdicts = append.append(self.client, s.key_prefix, rows, epoch, s.stream_maxlen,
+        verdicts = append.append(self.client, s.key_prefix, rows, epoch, s.stream_maxlen_unsafe,
                                  self.repairer.floors)
         confirmed = not verdicts.delivered or append.durability_barrier(
             self.client, s.wait_replicas, s.wait_timeout_ms, s.wait_aof

@@ -265,7 +265,7 @@ class Repairer:
                 continue
             try:
                 how, n = repair(self.engine, self.client, finding, epoch=leases[partition],
-                                maxlen=s.stream_maxlen)
+                                maxlen=s.stream_maxlen_unsafe)
             except LeaseLostError:
                 self.stats.fenced += 1
                 log.warning("repair of %s stopped: a newer relay owns the stream", finding.key)

@@ -74,6 +74,12 @@ outbox = Table(
         sqlite_where=text("delivered_at_ms IS NULL"),
     ),
     Index("ix_outbox_events_stream_entry", "stream", "partition", "entry_id"),
+    Index(
+        "ix_outbox_events_delivered",
+        "delivered_at_ms",
+        postgresql_where=text("delivered_at_ms IS NOT NULL"),
+        sqlite_where=text("delivered_at_ms IS NOT NULL"),
+    ),
     sqlite_autoincrement=True,
 )
 
@@ -93,6 +99,7 @@ inbox = Table(
     Column("duplicates", Integer, nullable=False, server_default=text("0")),
     Column("created_at_ms", BigInteger, nullable=False),
     PrimaryKeyConstraint("group_name", "event_id"),
+    Index("ix_outbox_inbox_created", "created_at_ms"),
 )
 
 inbox_heads = Table(
@@ -102,7 +109,10 @@ inbox_heads = Table(
     Column("aggregate_type", String(128), nullable=False),
     Column("aggregate_id", String(256), nullable=False),
     Column("revision", BigInteger, nullable=False),
+    # When the head last moved (retention prunes heads of aggregates quiet for long).
+    Column("updated_at_ms", BigInteger, nullable=False, server_default=text("0")),
     PrimaryKeyConstraint("group_name", "aggregate_type", "aggregate_id"),
+    Index("ix_outbox_inbox_heads_updated", "updated_at_ms"),
 )
 
 relay_leases = Table(
@@ -146,4 +156,17 @@ consumer_nodes = Table(
     Column("consumer", String(128), nullable=False),
     Column("expires_at_ms", BigInteger, nullable=False),
     PrimaryKeyConstraint("group_name", "consumer"),
+)
+
+stream_trims = Table(
+    "outbox_stream_trims",
+    metadata,
+    # Per partition stream: every entry below ``floor_entry_id`` was trimmed on purpose (all
+    # groups had acknowledged it). Written before the XTRIM; repair refills only at or above it.
+    Column("stream", String(64), nullable=False),
+    Column("partition", Integer, nullable=False, autoincrement=False),
+    Column("floor_entry_id", String(48), nullable=False),
+    Column("trimmed", BigInteger, nullable=False, server_default=text("0")),
+    Column("updated_at_ms", BigInteger, nullable=False),
+    PrimaryKeyConstraint("stream", "partition"),
 )

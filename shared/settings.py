@@ -7,10 +7,39 @@ and redis-py (``redis://user:password@host:6379/0``, ``rediss://`` for TLS) form
 
 from __future__ import annotations
 
-from pydantic import Field, field_validator, model_validator
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import BeforeValidator, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from shared.keys import DEFAULT_PREFIX, check_name
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
+_UNIT_S = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
+
+
+def parse_duration(value: Any) -> float:
+    """Seconds from ``90``, ``"90s"``, ``"15m"``, ``"2h"``, ``"7d"``, ``"500ms"``; ``"off"`` and
+    ``0`` mean 0 (the rule is off). Anything else is a clear validation error."""
+    if isinstance(value, bool):
+        raise ValueError("a duration is a number of seconds or e.g. 90s, 15m, 2h, 7d, off")
+    if isinstance(value, (int, float)):
+        if value < 0:
+            raise ValueError("a duration cannot be negative")
+        return float(value)
+    text = str(value).strip().lower()
+    if text in ("off", "never", "none", ""):
+        return 0.0
+    match = _DURATION.match(text)
+    if not match:
+        raise ValueError(f"{value!r} is not a duration (e.g. 90s, 15m, 2h, 7d, off)")
+    return float(match.group(1)) * _UNIT_S[match.group(2)]
+
+
+Duration = Annotated[float, BeforeValidator(parse_duration)]
+"""Seconds; the environment and flags also accept ``15m``/``2h``/``7d``/``off``."""
 
 
 class CommonSettings(BaseSettings):
@@ -30,7 +59,12 @@ class CommonSettings(BaseSettings):
     partitions: int = Field(
         4, ge=1, le=1024, description="Partitions per stream; an aggregate always maps to one."
     )
-    log_level: str = Field("INFO", description="Log level (DEBUG shows driver messages).")
+    log_level: str = Field(
+        "INFO", description="Log level: DEBUG (shows driver messages), INFO, WARNING, ERROR."
+    )
+    log_format: Literal["text", "json"] = Field(
+        "text", description="Log lines as text, or one JSON object per line (json)."
+    )
     startup_timeout_s: float = Field(
         60.0, ge=0, description="How long a daemon retries an unavailable database at start-up."
     )
@@ -39,6 +73,14 @@ class CommonSettings(BaseSettings):
     @classmethod
     def _prefix(cls, value: str) -> str:
         return check_name("key prefix", value)
+
+    @field_validator("log_level")
+    @classmethod
+    def _log_level(cls, value: str) -> str:
+        level = value.strip().upper()
+        if level not in LOG_LEVELS:
+            raise ValueError(f"{value!r} is not one of {', '.join(LOG_LEVELS)}")
+        return level
 
     @field_validator("database_url")
     @classmethod
@@ -50,7 +92,81 @@ class CommonSettings(BaseSettings):
         return value
 
 
-class RelaySettings(CommonSettings):
+class DaemonSettings(CommonSettings):
+    """What every long-running daemon (relay, consume, serve) adds: metrics and health."""
+
+    metrics_port: int = Field(
+        0, ge=0, le=65535,
+        description="Port serving /metrics (OpenMetrics), /healthz and /readyz (0 = off).",
+    )
+    metrics_host: str = Field("0.0.0.0", description="Address the metrics port listens on.")
+
+
+class RetentionSettings(CommonSettings):
+    """Bounded growth (design invariant 7): how long what we write is kept. Durations accept
+    seconds or ``15m``/``2h``/``7d``; ``off`` (or 0) turns a rule off. No rule deletes what is
+    still needed: an undelivered row, an entry some group has not acknowledged, a receipt a
+    redelivery could still need, a dead receipt whose letter still exists."""
+
+    retention_delivered: Duration = Field(
+        7 * 86400.0,
+        description="Delivered outbox rows older than this are pruned (by the relay).",
+    )
+    retention_inbox: Duration = Field(
+        14 * 86400.0,
+        description="Inbox receipts and aggregate heads older than this are pruned (by the "
+        "consumer); must be at least retention_delivered + stream_keep_s.",
+    )
+    retention_dead_letters: Duration = Field(
+        30 * 86400.0,
+        description="Dead letters older than this are trimmed from the dead-letter streams.",
+    )
+    retention_runs: Duration = Field(
+        0.0, description="Terminal runs (completed/failed) older than this are pruned (off).",
+    )
+    prune_interval_s: float = Field(
+        60.0, gt=0, description="How often a daemon runs its retention pass."
+    )
+    prune_batch: int = Field(
+        1_000, ge=1, le=100_000, description="Rows deleted per retention transaction."
+    )
+    stream_trim: bool = Field(
+        True,
+        description="Trim each partition stream below what every consumer group acknowledged "
+        "(keeping stream_keep entries and stream_keep_s seconds).",
+    )
+    stream_keep: int = Field(
+        1_000, ge=0, description="Newest entries every trim keeps (for new groups, redis-cli)."
+    )
+    stream_keep_s: Duration = Field(
+        3600.0, description="Entries younger than this are never trimmed."
+    )
+    trim_interval_s: float = Field(
+        10.0, gt=0, description="How often the relay trims the streams of its partitions."
+    )
+    consumer_idle_s: Duration = Field(
+        86400.0,
+        description="Consumers idle longer than this with nothing pending are removed from "
+        "their group (XGROUP DELCONSUMER); off keeps them.",
+    )
+
+    @model_validator(mode="after")
+    def _receipts_outlive_redelivery(self) -> RetentionSettings:
+        # A receipt must outlive every way its event can come back: a repair refills delivered
+        # rows still in the outbox, and the stream keeps entries for stream_keep_s. Pruning a
+        # receipt earlier would let a redelivery apply the event a second time.
+        if self.retention_inbox and self.retention_delivered:
+            needed = self.retention_delivered + self.stream_keep_s
+            if self.retention_inbox < needed:
+                raise ValueError(
+                    f"retention_inbox ({self.retention_inbox:g}s) must be at least "
+                    f"retention_delivered + stream_keep_s ({needed:g}s): a repair or the "
+                    "stream could still redeliver events whose receipts would be gone"
+                )
+        return self
+
+
+class RelaySettings(DaemonSettings, RetentionSettings):
     """The relay daemon (``outbox relay``)."""
 
     batch_size: int = Field(500, ge=1, le=10_000, description="Rows claimed per batch.")
@@ -66,14 +182,29 @@ class RelaySettings(CommonSettings):
     wait_aof: bool = Field(
         False, description="Before marking, WAITAOF 1 0 (needs Redis >= 7.2 with appendonly)."
     )
-    stream_maxlen: int = Field(
-        0, ge=0, description="Approximate MAXLEN trim of each stream on append (0 = never trim)."
+    stream_maxlen_unsafe: int = Field(
+        0, ge=0,
+        description="LOSES DATA: approximate MAXLEN trim on every append, ignoring consumer "
+        "groups (a lagging group loses entries it never read). 0 = off; prefer stream_trim.",
     )
     redis_timeout_s: float = Field(5.0, gt=0, description="Socket timeout of Redis calls.")
     node_id: str = Field("", description="Name of this relay in leases (default host:pid).")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data: Any) -> Any:
+        import os
 
-class ConsumerSettings(CommonSettings):
+        if os.environ.get("OUTBOX_STREAM_MAXLEN"):
+            raise ValueError(
+                "OUTBOX_STREAM_MAXLEN was removed: it trimmed entries groups had not read. "
+                "Trimming is now tied to acknowledgements (OUTBOX_STREAM_TRIM, on by default); "
+                "OUTBOX_STREAM_MAXLEN_UNSAFE keeps the old behaviour"
+            )
+        return data
+
+
+class ConsumerSettings(DaemonSettings, RetentionSettings):
     """The consumer daemon (``outbox consume``)."""
 
     group: str = Field("workers", description="Consumer group name.")
