@@ -43,6 +43,7 @@ from consumer import ownership as ownership_
 from consumer.handlers import Handlers
 from consumer.streams import Entry
 from shared import faults, keys
+from shared.periodic import Periodic, run_due
 from shared.envelope import Event
 from shared.errors import InvalidEventError, UnavailableError
 from shared.settings import ConsumerSettings
@@ -109,6 +110,8 @@ class Consumer:
         self._next_pending_check = 0.0
         self._groups_ready = False
         self._backoff = 0.0
+        # Housekeeping between batches (retention, group hygiene): see shared/periodic.py.
+        self.periodic: list[Periodic] = []
 
     def stop(self) -> None:
         """Finish the current batch, then return from :meth:`run`."""
@@ -151,6 +154,7 @@ class Consumer:
         """
         self._ensure_groups()
         self._renew_leases()
+        run_due(self.periodic)
         if self.handlers.paused():  # backpressure: leave new entries in the stream
             self._stop.wait(min(self.settings.block_ms, 50) / 1000)
             return 0

@@ -31,6 +31,7 @@ from sqlalchemy import Engine
 from relay import append, claim, repair, store
 from relay.wakeup import Wakeup
 from shared import faults, keys
+from shared.periodic import Periodic, run_due
 from shared.db import is_postgres, now_ms
 from shared.errors import LeaseLostError, StreamBehindError, UnavailableError
 from shared.settings import RelaySettings
@@ -75,6 +76,8 @@ class Relay:
         self._backoff = 0.0
         self._found_rows = False
         self._append_thread: ThreadPoolExecutor | None = None
+        # Housekeeping between rounds (trimming, retention): see shared/periodic.py.
+        self.periodic: list[Periodic] = []
 
     def append_thread(self) -> ThreadPoolExecutor:
         """The one thread that runs in-flight appends (created on first use)."""
@@ -138,6 +141,7 @@ class Relay:
         self._found_rows = False
         self._refresh_leases()
         self.repairer.maybe_run(self.leases)
+        run_due(self.periodic)
         busy = False
         for partition, epoch in list(self.leases.items()):
             if self._stop.is_set():
