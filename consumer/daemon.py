@@ -43,9 +43,9 @@ from consumer import ownership as ownership_
 from consumer.handlers import Handlers
 from consumer.streams import Entry
 from shared import faults, keys
-from shared.periodic import Periodic, run_due
 from shared.envelope import Event
 from shared.errors import InvalidEventError, UnavailableError
+from shared.periodic import Periodic, run_due
 from shared.settings import ConsumerSettings
 
 log = logging.getLogger(__name__)

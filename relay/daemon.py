@@ -31,9 +31,9 @@ from sqlalchemy import Engine
 from relay import append, claim, repair, store
 from relay.wakeup import Wakeup
 from shared import faults, keys
-from shared.periodic import Periodic, run_due
 from shared.db import is_postgres, now_ms
 from shared.errors import LeaseLostError, StreamBehindError, UnavailableError
+from shared.periodic import Periodic, run_due
 from shared.settings import RelaySettings
 
 log = logging.getLogger(__name__)
