@@ -52,4 +52,5 @@ def handlers(settings: ConsumerSettings) -> Handlers:
                                    owner=owner)
     atexit.register(worker.close)
     atexit.register(sweeper.stop)
+    registry.observed.update(run_worker=worker.stats, run_sweeper=sweeper.total)  # metrics
     return registry

@@ -14,8 +14,10 @@ import sys
 from collections.abc import Callable, Sequence
 
 from cli import apps, options
+from cli import prune as retention
 from cli import status as status_report
 from cli.startup import until_available
+from consumer import hygiene
 from consumer.daemon import Consumer
 from consumer.worker import WorkerSettings
 from relay.daemon import Relay
@@ -47,20 +49,24 @@ def cmd_db_check(args: argparse.Namespace) -> int:
 def cmd_relay(args: argparse.Namespace) -> int:
     """Run the relay daemon until SIGTERM/SIGINT."""
     settings = options.load_settings(RelaySettings, args)
-    configure_logging(settings.log_level)
+    configure_logging(settings.log_level, settings.log_format)
     engine = db.make_engine(settings.database_url)
     until_available(lambda: db.check_schema(engine), "schema check", settings.startup_timeout_s)
     relay = Relay(settings, engine, connect_redis(settings.redis_url,
                                                   timeout_s=settings.redis_timeout_s))
+    retention.register_relay(relay, settings)  # periodic task "retention"
     relay.install_signal_handlers()
-    relay.run(until_idle=args.until_idle)
+    from cli import observe  # here: prometheus_client is not every command's cost
+
+    with observe.relay(relay):  # --metrics-port: /metrics, /healthz, /readyz
+        relay.run(until_idle=args.until_idle)
     return 0
 
 
 def cmd_consume(args: argparse.Namespace) -> int:
     """Run the consumer daemon until SIGTERM/SIGINT."""
     settings = options.load_settings(WorkerSettings, args)
-    configure_logging(settings.log_level)
+    configure_logging(settings.log_level, settings.log_format)
     if settings.redis_timeout_s * 1000 <= settings.block_ms:
         raise ConfigError("redis_timeout_s must be longer than block_ms")
     engine = db.make_engine(settings.database_url)
@@ -70,8 +76,13 @@ def cmd_consume(args: argparse.Namespace) -> int:
                                patience)
     client = connect_redis(settings.redis_url, timeout_s=settings.redis_timeout_s)
     consumer = Consumer(settings, engine, client, handlers, ownership=True)
+    hygiene.install(consumer)  # periodic task "group hygiene"
+    retention.register_consumer(consumer, settings)  # periodic task "retention"
     consumer.install_signal_handlers()
-    consumer.run()
+    from cli import observe
+
+    with observe.consumer(consumer):  # --metrics-port: /metrics, /healthz, /readyz
+        consumer.run()
     return 0
 
 
@@ -138,6 +149,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     reconcile.add_arguments(_leaf(sub, "reconcile", "repair streams behind the outbox and "
                                   "resume stuck runs", CommonSettings, reconcile.main))
+
+    from shared.settings import RetentionSettings
+
+    retention.add_arguments(_leaf(sub, "prune", "delete what retention allows: delivered outbox "
+                                  "rows, old receipts and heads, terminal runs (if asked)",
+                                  RetentionSettings, retention.main))
     return parser
 
 

@@ -36,7 +36,7 @@ def main(args: argparse.Namespace) -> int:
     from producer.http import create_app
 
     settings = options.load_settings(ServeSettings, args)
-    configure_logging(settings.log_level)
+    configure_logging(settings.log_level, settings.log_format)
     engine = db.make_engine(settings.database_url)
     patience = settings.startup_timeout_s
     until_available(lambda: db.check_schema(engine), "schema check", patience)
@@ -58,7 +58,10 @@ def main(args: argparse.Namespace) -> int:
     # in a clean exit 0, like the other daemons.
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, _shutdown_done)
-    uvicorn.Server(config).run()
+    from cli import observe
+
+    with observe.serve(settings, engine):  # --metrics-port: /metrics, /healthz, /readyz
+        uvicorn.Server(config).run()
     return 0
 
 

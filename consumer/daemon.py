@@ -34,19 +34,25 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import FrameType
+from typing import TYPE_CHECKING
 
 import redis
 from sqlalchemy import Connection, Engine
 
-from consumer import inbox, streams
+from consumer import inbox, lost, streams
 from consumer import ownership as ownership_
 from consumer.handlers import Handlers
+from consumer.hygiene import HygieneStats
+from consumer.prune import PruneStats
 from consumer.streams import Entry
 from shared import faults, keys
 from shared.envelope import Event
 from shared.errors import InvalidEventError, UnavailableError
 from shared.periodic import Periodic, run_due
 from shared.settings import ConsumerSettings
+
+if TYPE_CHECKING:
+    from consumer.metrics import ConsumerMetrics
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +73,7 @@ class ConsumerStats:
     autoclaimed: int = 0  # pending entries re-read by a pending pass (retries, takeovers)
     taken_over: int = 0  # pending entries moved to us from another consumer of the group
     lease_losses: int = 0  # claims refused because a partition stream was taken over
+    lost: int = 0  # entries that vanished from the stream while pending (receipt ``lost``)
 
 
 class Consumer:
@@ -112,6 +119,12 @@ class Consumer:
         self._backoff = 0.0
         # Housekeeping between batches (retention, group hygiene): see shared/periodic.py.
         self.periodic: list[Periodic] = []
+        # Observation (consumer/metrics.py, cli/observe.py): hooks when metrics are on, and
+        # the liveness heartbeat (monotonic seconds at the start of the last iteration).
+        self.metrics: ConsumerMetrics | None = None
+        self.last_loop = time.monotonic()
+        self.hygiene_stats: HygieneStats | None = None  # set by consumer.hygiene.install
+        self.prune_stats: PruneStats | None = None  # set by cli/prune.py (retention task)
 
     def stop(self) -> None:
         """Finish the current batch, then return from :meth:`run`."""
@@ -130,9 +143,11 @@ class Consumer:
     def run(self) -> ConsumerStats:
         """Consume until stopped, then give the leases back (so others need not wait for them
         to expire)."""
-        log.info("consumer %s of group %s started", self.name, self.settings.group)
+        log.info("consumer %s of group %s started", self.name, self.settings.group,
+                 extra={"consumer": self.name, "group": self.settings.group})
         try:
             while not self._stop.is_set():
+                self.last_loop = time.monotonic()
                 try:
                     self.run_once()
                     self._backoff = 0.0
@@ -141,7 +156,8 @@ class Consumer:
                     self._sleep_backoff(err)
         finally:
             self._release_leases()
-        log.info("consumer %s stopped: %s", self.name, self.stats)
+        log.info("consumer %s stopped: %s", self.name, self.stats,
+                 extra={"consumer": self.name, "group": self.settings.group})
         return self.stats
 
     def run_once(self, block_ms: int | None = None) -> int:
@@ -279,7 +295,9 @@ class Consumer:
             dropped = self.leases.drop(err.keys)
             self.stats.lease_losses += 1
             log.warning("consumer %s lost %s to another consumer of group %s; "
-                        "its batch was not committed", self.name, dropped, self.settings.group)
+                        "its batch was not committed", self.name, dropped, self.settings.group,
+                        extra={"consumer": self.name, "group": self.settings.group,
+                               "stream_keys": dropped})
             return 0
         except UnavailableError:
             self._pass_due = True
@@ -323,14 +341,18 @@ class Consumer:
         self.stats.read += len(entries)
         s = self.settings
         to_ack, letters, batch = self._letters_validate(entries)
+        to_ack += self._record_lost([e for e in entries if e.fields is None], letters)
         streams.dead_letter(self.client, s.key_prefix, letters, s.group, self.name)
         check = self._fence_check(sorted({d.key for d in batch})) if batch else None
+        started = time.perf_counter()
         try:
             outcomes = inbox.claim(self.engine, s.group, batch, self.handlers,
                                    blocked=self.blocked, check=check)
         except BaseException:
             self.handlers.take_after_commit(set())  # rolled back: drop scheduled work
             raise
+        if self.metrics is not None:
+            self.metrics.claimed(outcomes, time.perf_counter() - started)
         faults.point("consumer.after_commit")
         by_id = {(e.key, e.entry_id): e for e in entries}
         letters, waiting = [], []
@@ -358,7 +380,7 @@ class Consumer:
     ) -> tuple[list[Entry], list[tuple[Entry, str, str]], list[inbox.Delivery]]:
         """Split a batch: (to ack now, their letters, deliveries to claim).
 
-        Trimmed and unparsable entries get a letter and are acknowledged; an unknown type or
+        Unparsable entries get a letter and are acknowledged; an unknown type or
         too many deliveries marks the delivery dead (the claim still decides: a delivery of a
         blocked aggregate waits whatever its counter says).
         """
@@ -367,9 +389,7 @@ class Consumer:
         letters: list[tuple[Entry, str, str]] = []
         batch: list[inbox.Delivery] = []
         for entry in entries:
-            if entry.fields is None:  # trimmed while pending: record it, never ack silently
-                letters.append((entry, "trimmed", "the stream no longer holds this entry"))
-                to_ack.append(entry)
+            if entry.fields is None:  # vanished while pending: see _record_lost
                 continue
             try:
                 event = Event.from_fields(entry.fields, max_data_bytes=s.max_data_bytes)
@@ -386,13 +406,37 @@ class Consumer:
             batch.append(inbox.Delivery(entry.key, entry.entry_id, event, entry.deliveries, reason))
         return to_ack, letters, batch
 
+    def _record_lost(
+        self, vanished: list[Entry], letters: list[tuple[Entry, str, str]]
+    ) -> list[Entry]:
+        """Entries that vanished from the stream while pending (an operator's blind trim):
+        a ``lost`` receipt committed first (consumer/lost.py), then a letter (added to
+        ``letters``) carrying what the outbox still knows; returns the entries to ack."""
+        if not vanished:
+            return []
+        check = self._fence_check(sorted({e.key for e in vanished}))
+        decided = lost.record(self.engine, self.settings.key_prefix, self.settings.group,
+                              vanished, check)
+        for d in decided:
+            if d.letter:
+                self.stats.lost += 1
+                letters.append((d.entry, lost.LOST, "the entry vanished from the stream while "
+                                "pending (trimmed or deleted before this group handled it)"))
+                log.warning("entry %s of %s vanished while pending; receipt lost, "
+                            "dead-lettered", d.entry.entry_id, d.entry.key,
+                            extra={"event_id": d.event_id, "stream_key": d.entry.key,
+                                   "group": self.settings.group})
+        return [d.entry for d in decided]
+
     def _run_after_commit(self, applied: set[str]) -> None:
-        for callback in self.handlers.take_after_commit(applied):
+        for event_id, callback in self.handlers.take_scheduled(applied):
             try:
                 callback()
             except Exception as err:  # post-commit work must not stop the loop
-                log.warning("after-commit callback failed: %s", type(err).__name__)
-                log.debug("after-commit error", exc_info=True)
+                log.warning("after-commit callback of %s failed: %s", event_id,
+                            type(err).__name__, exc_info=True,
+                            extra={"event_id": event_id, "group": self.settings.group,
+                                   "consumer": self.name, "error": type(err).__name__})
 
     def _count(self, o: inbox.Outcome) -> None:
         attr = {"duplicate": "duplicates"}.get(o.outcome, o.outcome)

@@ -47,6 +47,9 @@ class Handlers:
         self._ordering: dict[str, Ordering] = {}
         self._after_commit: list[tuple[str, Callable[[], None]]] = []
         self._pause: Callable[[], bool] | None = None
+        # Counters the app's own components keep (dataclasses such as the run worker's),
+        # exported with the daemon's metrics as outbox_consumer_<name>_…_total.
+        self.observed: dict[str, object] = {}
 
     def register(
         self, event_type: str, handler: Handler, *, ordering: Ordering = "strict"
@@ -71,6 +74,11 @@ class Handlers:
 
         return decorate
 
+    def instrument(self, wrap: Callable[[str, Handler], Handler]) -> None:
+        """Replace every registered handler by ``wrap(event_type, handler)`` (metrics: the
+        daemon times each call); dispatch and orderings stay as they are."""
+        self._by_type = {t: wrap(t, h) for t, h in self._by_type.items()}
+
     def get(self, event_type: str) -> Handler | None:
         """The handler for a type, falling back to ``"*"``; None if the group has none."""
         return self._by_type.get(event_type) or self._by_type.get("*")
@@ -88,8 +96,12 @@ class Handlers:
 
     def take_after_commit(self, applied: set[str]) -> list[Callable[[], None]]:
         """The daemon's side: the callbacks of ``applied`` event ids; forget all the others."""
+        return [callback for _event_id, callback in self.take_scheduled(applied)]
+
+    def take_scheduled(self, applied: set[str]) -> list[tuple[str, Callable[[], None]]]:
+        """:meth:`take_after_commit` with each callback's event id (for the failure log)."""
         taken, self._after_commit = self._after_commit, []
-        return [callback for event_id, callback in taken if event_id in applied]
+        return [(event_id, callback) for event_id, callback in taken if event_id in applied]
 
     def pause_when(self, predicate: Callable[[], bool]) -> None:
         """Backpressure: while ``predicate()`` is true the daemon reads nothing new, so entries

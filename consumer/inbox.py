@@ -110,7 +110,7 @@ def claim(
             _heads(conn, group, {k for d in batch if (k := aggregate_key(d.event))}),
             set(blocked or ()),
         )
-        outcomes, ledger = decide_batch(conn, batch, ledger, handlers)
+        outcomes, ledger = decide_batch(conn, batch, ledger, handlers, group)
         _write(conn, group, outcomes)
     if blocked is not None:
         blocked |= ledger.blocked
@@ -249,18 +249,22 @@ def _insert_receipts(conn: Connection, receipts: list[dict[str, Any]]) -> None:
 
 
 def _upsert_heads(conn: Connection, group: str, heads: dict[tuple[str, str], int]) -> None:
-    """Raise each aggregate's applied revision (never lower it); keys are distinct."""
+    """Raise each aggregate's applied revision (never lower it); keys are distinct. A raised
+    head's ``updated_at_ms`` is now (retention prunes heads that stopped moving)."""
     ordered = sorted(heads.items())
+    now = now_ms()
     if not is_postgres(conn):
         upsert = sqlite.insert(inbox_heads)
         conn.execute(
             upsert.on_conflict_do_update(
                 index_elements=["group_name", "aggregate_type", "aggregate_id"],
-                set_={"revision": upsert.excluded.revision},
+                set_={"revision": upsert.excluded.revision,
+                      "updated_at_ms": upsert.excluded.updated_at_ms},
                 where=inbox_heads.c.revision < upsert.excluded.revision,
             ),
             [
-                {"group_name": group, "aggregate_type": t, "aggregate_id": i, "revision": r}
+                {"group_name": group, "aggregate_type": t, "aggregate_id": i, "revision": r,
+                 "updated_at_ms": now}
                 for (t, i), r in ordered
             ],
         )
@@ -269,15 +273,16 @@ def _upsert_heads(conn: Connection, group: str, heads: dict[tuple[str, str], int
         "b_heads", column("t", String), column("i", String), column("r", BigInteger)
     )
     ins = postgresql.insert(inbox_heads).from_select(
-        ["group_name", "aggregate_type", "aggregate_id", "revision"],
-        select(bindparam("b_group", type_=String), given.c.t, given.c.i, given.c.r),
+        ["group_name", "aggregate_type", "aggregate_id", "revision", "updated_at_ms"],
+        select(bindparam("b_group", type_=String), given.c.t, given.c.i, given.c.r,
+               bindparam("b_now", type_=BigInteger)),
     )
     conn.execute(
         ins.on_conflict_do_update(
             index_elements=["group_name", "aggregate_type", "aggregate_id"],
-            set_={"revision": ins.excluded.revision},
+            set_={"revision": ins.excluded.revision, "updated_at_ms": ins.excluded.updated_at_ms},
             where=inbox_heads.c.revision < ins.excluded.revision,
         ),
-        {"b_group": group,
+        {"b_group": group, "b_now": now,
          "b_heads": [{"t": t, "i": i, "r": r} for (t, i), r in ordered]},
     )

@@ -19,6 +19,7 @@ from typing import Any
 from sqlalchemy import Connection, exc
 
 from consumer.handlers import Handler, Handlers
+from shared import tracing
 from shared.db import is_postgres
 from shared.envelope import Event
 from shared.errors import UnavailableError
@@ -92,23 +93,25 @@ class Ledger:
 
 
 def decide_batch(
-    conn: Connection, batch: list[Delivery], ledger: Ledger, handlers: Handlers
+    conn: Connection, batch: list[Delivery], ledger: Ledger, handlers: Handlers,
+    group: str = "",
 ) -> tuple[list[Outcome], Ledger]:
-    """Decide every delivery: optimistically under one savepoint, else one per handler."""
+    """Decide every delivery: optimistically under one savepoint, else one per handler.
+    ``group`` (the consumer group) only names the group in logs and trace spans."""
     if len(batch) > 1:
         trial = ledger.copy()
         try:
             with conn.begin_nested():
-                return [_decide(conn, d, trial, handlers, False) for d in batch], trial
+                return [_decide(conn, d, trial, handlers, False, group) for d in batch], trial
         except _HandlerFailed as failure:
             handlers.take_after_commit(set())  # rolled back: every handler runs again
-            _log_failure(failure.delivery.event, failure.error)
+            _log_failure(failure.delivery, failure.error, failure.__cause__, group)
             return [
-                _decide(conn, d, ledger, handlers, True,
+                _decide(conn, d, ledger, handlers, True, group,
                         failed=failure.error if d is failure.delivery else None)
                 for d in batch
             ], ledger
-    return [_decide(conn, d, ledger, handlers, True) for d in batch], ledger
+    return [_decide(conn, d, ledger, handlers, True, group) for d in batch], ledger
 
 
 def _decide(
@@ -117,6 +120,7 @@ def _decide(
     ledger: Ledger,
     handlers: Handlers,
     savepoints: bool,
+    group: str,
     failed: str | None = None,
 ) -> Outcome:
     """One delivery (see the module docstring); ``failed``: its handler already raised in
@@ -144,7 +148,7 @@ def _decide(
     if handler is None:
         ledger.seen[event.id] = None
         return Outcome(d, DEAD, "unknown_type")
-    error = failed if failed is not None else _run(conn, d, handler, savepoints)
+    error = failed if failed is not None else _run(conn, d, handler, savepoints, group)
     if error is not None:
         if strict and key is not None:
             ledger.blocked.add(key)
@@ -155,32 +159,49 @@ def _decide(
     return Outcome(d, APPLIED)
 
 
-def _run(conn: Connection, d: Delivery, handler: Handler, savepoints: bool) -> str | None:
-    """Run the handler; the error name of its own failure, None when it succeeded.
+def _run(
+    conn: Connection, d: Delivery, handler: Handler, savepoints: bool, group: str
+) -> str | None:
+    """Run the handler (in a trace span, child of the producer's context when tracing is
+    on: :func:`shared.tracing.process_span`); the error name of its own failure, None when it
+    succeeded.
 
     Without savepoints (the optimistic path) a failure raises :class:`_HandlerFailed`. A lost
     connection or contention raises (the whole claim fails and is retried).
     """
+    event = d.event
     if not savepoints:
         try:
-            handler(conn, d.event)
+            with tracing.process_span(event.traceparent, event.tracestate, d.key, event.id,
+                                      event.type, group):
+                handler(conn, event)
         except Exception as err:
             _raise_if_claim_lost(conn, err)
             raise _HandlerFailed(d, type(err).__name__) from err
         return None
     try:
-        with conn.begin_nested():
-            handler(conn, d.event)
+        with conn.begin_nested(), tracing.process_span(
+            event.traceparent, event.tracestate, d.key, event.id, event.type, group
+        ):
+            handler(conn, event)
     except Exception as err:  # the handler's own failure: only its savepoint rolls back
         _raise_if_claim_lost(conn, err)
-        _log_failure(d.event, type(err).__name__)
+        _log_failure(d, type(err).__name__, err, group)
         return type(err).__name__
     return None
 
 
-def _log_failure(event: Event, error: str) -> None:
-    log.warning("handler for %s failed on %s: %s", event.type, event.id, error)
-    log.debug("handler error", exc_info=True)
+def _log_failure(d: Delivery, error: str, exc: BaseException | None, group: str) -> None:
+    """A handler's failure, at WARNING with its traceback (redacted by the log handler) and
+    the event's id and type as structured fields: the entry stays pending and is retried."""
+    event = d.event
+    log.warning(
+        "handler for %s failed on %s: %s", event.type, event.id, error,
+        exc_info=(type(exc), exc, exc.__traceback__) if exc is not None else None,
+        extra={"event_id": event.id, "event_type": event.type, "stream_key": d.key,
+               "entry_id": d.entry_id, "group": group, "error": error,
+               "deliveries": d.deliveries},
+    )
 
 
 def _raise_if_claim_lost(conn: Connection, err: Exception) -> None:

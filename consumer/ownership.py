@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from sqlalchemy import Connection, Engine, and_, delete, func, or_, select, update
+from sqlalchemy import Connection, Engine, and_, delete, func, or_, select, tuple_, update
 from sqlalchemy.dialects import postgresql, sqlite
 
 from shared.db import db_now_ms, is_postgres, translate_errors
@@ -154,6 +154,31 @@ def release(engine: Engine, group: str, consumer: str, held: dict[Key, int]) -> 
             )
         conn.execute(delete(nodes).where(nodes.c.group_name == group,
                                          nodes.c.consumer == consumer))
+
+
+def forget_nodes(engine: Engine, expired_for_ms: int, *, limit: int = 1_000) -> int:
+    """Delete up to ``limit`` heartbeat rows, of any group, that expired more than
+    ``expired_for_ms`` ago; return how many (group hygiene, :mod:`consumer.hygiene`).
+
+    :func:`acquire` already deletes its own group's rows soon after they expire; what it leaves
+    are the rows of groups no consumer runs any more (a crash skips :func:`release`). Deleting
+    an expired row never changes a fair share (only live rows count), and a consumer that comes
+    back writes its row again. On PostgreSQL rows locked by a concurrent heartbeat are skipped
+    (``FOR UPDATE SKIP LOCKED``), so this never waits for, nor deadlocks with, :func:`acquire`.
+    """
+    with translate_errors(), engine.begin() as conn:
+        cutoff = _db_now(conn) - expired_for_ms
+        query = (select(nodes.c.group_name, nodes.c.consumer)
+                 .where(nodes.c.expires_at_ms < cutoff).limit(limit))
+        if is_postgres(conn):
+            query = query.with_for_update(skip_locked=True)
+        found = [tuple(r) for r in conn.execute(query)]
+        if not found:
+            return 0
+        result = conn.execute(delete(nodes).where(
+            tuple_(nodes.c.group_name, nodes.c.consumer).in_(found),
+            nodes.c.expires_at_ms < cutoff))
+        return int(result.rowcount or 0)
 
 
 def check(

@@ -30,13 +30,14 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 from sqlalchemy.orm import Session
 from sqlalchemy.sql.compiler import SQLCompiler
 
-from shared import faults, keys
+from shared import faults, keys, tracing
 from shared.db import db_now_ms, now_ms
 from shared.envelope import DEFAULT_MAX_DATA_BYTES, MAX_ID_LENGTH, MAX_REVISION
 from shared.errors import DuplicateEventError, InvalidEventError
 from shared.schema import outbox
 
 _TRACEPARENT = re.compile(r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$")
+_TRACESTATE = re.compile(r"^[\x20-\x7e]{1,512}$")
 _TYPE = re.compile(r"^[A-Za-z0-9_.:\-/]{1,256}$")
 _STREAM = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 
@@ -98,6 +99,7 @@ class Producer:
         revision: int | None = None,
         event_id: str | None = None,
         traceparent: str | None = None,
+        tracestate: str | None = None,
         delay_ms: int = 0,
     ) -> tuple[str, dict[str, Any]]:
         """Validate an event and return its id and the parameters of the insert statement.
@@ -105,7 +107,19 @@ class Producer:
         The id is ``event_id`` if given, else deterministic when aggregate id and revision are
         given, else a random UUID (then only the caller can deduplicate). The statement itself
         is compiled once per driver (:func:`_driver_call`): only the parameters change.
+
+        ``traceparent``/``tracestate``: the W3C trace context the event carries to its
+        consumers; when the caller passes neither, the current OpenTelemetry span's context is
+        used, if there is one (:func:`shared.tracing.carrier`; nothing without the ``otel``
+        extra).
         """
+        if traceparent is None and tracestate is None:
+            current = tracing.carrier()
+            if current:
+                traceparent = current.get("traceparent")
+                tracestate = current.get("tracestate")
+                if tracestate is not None and not _valid_tracestate(tracestate):
+                    tracestate = None  # ours to drop: tracing must never fail an enqueue
         row = self._row(
             type=type,
             stream=stream,
@@ -115,6 +129,7 @@ class Producer:
             revision=revision,
             event_id=event_id,
             traceparent=traceparent,
+            tracestate=tracestate,
             delay_ms=delay_ms,
         )
         if postgres:
@@ -134,8 +149,14 @@ class Producer:
         event_id: str | None,
         traceparent: str | None,
         delay_ms: int,
+        tracestate: str | None = None,
     ) -> dict[str, Any]:
         _check_event(type, stream, aggregate_type, aggregate_id, revision, traceparent, delay_ms)
+        if tracestate is not None and (traceparent is None or not _valid_tracestate(tracestate)):
+            raise InvalidEventError(
+                "tracestate must be W3C trace state text (at most 512 characters) and come "
+                "with a traceparent", code="bad_field",
+            )
         payload = self._payload(data)
         if event_id is None:
             if aggregate_id is not None and revision is not None:
@@ -154,7 +175,7 @@ class Producer:
             "type": type,
             "source": self.source,
             "payload": payload,
-            "headers": json.dumps({"traceparent": traceparent} if traceparent else {}),
+            "headers": _headers(traceparent, tracestate),
             "created_at_ms": now_ms(),  # the CloudEvents `time`: this host's clock
             "delay_ms": delay_ms,  # available_at_ms = the database's clock + delay_ms
         }
@@ -264,6 +285,20 @@ def _check_event(
         raise InvalidEventError("traceparent is not a W3C trace context", code="bad_field")
     if delay_ms < 0:
         raise InvalidEventError("delay_ms must not be negative", code="bad_field")
+
+
+def _headers(traceparent: str | None, tracestate: str | None) -> str:
+    """The row's ``headers`` JSON: the trace context the relay puts on the stream entry."""
+    if not traceparent:
+        return "{}"
+    if not tracestate:
+        return json.dumps({"traceparent": traceparent})
+    return json.dumps({"traceparent": traceparent, "tracestate": tracestate})
+
+
+def _valid_tracestate(value: str) -> bool:
+    """W3C ``tracestate``: printable ASCII list members, at most 512 characters here."""
+    return isinstance(value, str) and _TRACESTATE.match(value) is not None
 
 
 def _check_text(name: str, value: str, limit: int) -> None:

@@ -6,9 +6,10 @@ from __future__ import annotations
 from pydantic import Field
 
 from shared import runstate as rs
+from shared.settings import DaemonSettings
 
 
-class ServeSettings(rs.RunSettings):
+class ServeSettings(DaemonSettings, rs.RunSettings):
     """The HTTP service (``outbox serve``)."""
 
     host: str = Field(default="127.0.0.1", description="Address to listen on.")

@@ -30,7 +30,7 @@ import redis
 
 from relay import entry_ids, fence
 from relay.claim import OutboxRow
-from shared import keys
+from shared import keys, tracing
 from shared.envelope import JSON_CONTENT_TYPE, SPECVERSION
 from shared.errors import StreamBehindError, UnavailableError
 from shared.redis_conn import translate_redis_errors
@@ -162,9 +162,12 @@ def to_fields(row: OutboxRow) -> dict[str, str]:
     if row.revision is not None:
         fields["revision"] = str(row.revision)
     if row.headers and row.headers != "{}":
-        traceparent = json.loads(row.headers).get("traceparent")
+        headers = json.loads(row.headers)
+        traceparent = headers.get("traceparent")
         if traceparent is not None:
             fields["traceparent"] = traceparent
+            if headers.get("tracestate"):
+                fields["tracestate"] = headers["tracestate"]
     return fields
 
 
@@ -195,7 +198,8 @@ def append(
     floors = {} if floors is None else floors
     calls = [_call_args(prefix, sub, epoch, maxlen, floors.get(key, ""))
              for key, sub in subs.items()]
-    with translate_redis_errors():
+    span = tracing.publish_span(list(subs), (r.headers for r in rows), len(rows))
+    with span, translate_redis_errors():
         answers = _run(client, calls)
         for (key, sub), answer in zip(subs.items(), answers, strict=True):
             _classify(sub, answer, verdicts)
@@ -268,14 +272,22 @@ def _classify(sub: list[OutboxRow], answer: Any, verdicts: Verdicts) -> None:
         elif status == "not_appended":
             verdicts.not_appended.append(row.seq)
         elif status == "gap":
-            log.warning("ordering gap: event %s republished at the stream top", row.event_id)
+            log.warning("ordering gap: event %s republished at the stream top", row.event_id,
+                        extra=_fields_of(row))
             verdicts.gaps.append(row.seq)
             if top and (verdicts.stream_top is None or entry_ids.greater(top, verdicts.stream_top)):
                 verdicts.stream_top = top
         else:
             code = error_code(status.removeprefix("failed:"))
-            log.warning("append of event %s failed: %s", row.event_id, code)
+            log.warning("append of event %s failed: %s", row.event_id, code,
+                        extra={**_fields_of(row), "error": code})
             verdicts.failed.append((row.seq, code))
+
+
+def _fields_of(row: OutboxRow) -> dict[str, object]:
+    """Structured log fields of a row (shared/logs.py)."""
+    return {"event_id": row.event_id, "event_type": row.type, "stream": row.stream,
+            "partition": row.partition}
 
 
 def _refused_call(sub: list[OutboxRow], err: Exception, verdicts: Verdicts) -> None:
@@ -298,7 +310,8 @@ def _refused_call(sub: list[OutboxRow], err: Exception, verdicts: Verdicts) -> N
     code = error_code(err)
     if any(r.retry for r in sub):
         raise UnavailableError(f"Redis refused the append of a retried batch ({code})")
-    log.warning("append of %d events refused: %s", len(sub), code)
+    log.warning("append of %d events refused: %s", len(sub), code,
+                extra={**_fields_of(sub[0]), "error": code, "count": len(sub)})
     verdicts.failed.append((sub[0].seq, code))
     verdicts.not_appended.extend(r.seq for r in sub[1:])
 

@@ -24,17 +24,22 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from types import FrameType
+from typing import TYPE_CHECKING
 
 import redis
 from sqlalchemy import Engine
 
-from relay import append, claim, repair, store
+from relay import append, claim, repair, store, trim
+from relay.prune import PruneStats
 from relay.wakeup import Wakeup
 from shared import faults, keys
 from shared.db import is_postgres, now_ms
 from shared.errors import LeaseLostError, StreamBehindError, UnavailableError
 from shared.periodic import Periodic, run_due
 from shared.settings import RelaySettings
+
+if TYPE_CHECKING:
+    from relay.metrics import RelayMetrics
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +62,7 @@ class RelayStats:
     not_appended: int = 0  # rows left behind a gap or refusal in their stream (claimed again)
     unknown_outcomes: int = 0
     lease_losses: int = 0
+    lease_acquisitions: int = 0  # partitions taken (or taken again under a new epoch)
 
 
 class Relay:
@@ -76,8 +82,17 @@ class Relay:
         self._backoff = 0.0
         self._found_rows = False
         self._append_thread: ThreadPoolExecutor | None = None
+        # Observation (relay/metrics.py, cli/observe.py): hooks when metrics are on, the
+        # liveness heartbeat and the last lease attempt (monotonic seconds).
+        self.metrics: RelayMetrics | None = None
+        self.last_loop = self.leases_tried_at = time.monotonic()
+        self.trimmer = trim.Trimmer(settings, engine, client)
+        self.prune_stats: PruneStats | None = None  # set by cli/prune.py (retention task)
         # Housekeeping between rounds (trimming, retention): see shared/periodic.py.
-        self.periodic: list[Periodic] = []
+        self.periodic: list[Periodic] = [
+            Periodic("stream trim", settings.trim_interval_s,
+                     lambda: self.trimmer.run(self.leases, self.repairer.streams)),
+        ]
 
     def append_thread(self) -> ThreadPoolExecutor:
         """The one thread that runs in-flight appends (created on first use)."""
@@ -107,11 +122,12 @@ class Relay:
                 self.engine.url.render_as_string(hide_password=False),
                 keys.notify_channel(self.settings.key_prefix),
             )
-        log.info("relay %s started", self.node_id)
+        log.info("relay %s started", self.node_id, extra={"node": self.node_id})
         switch_interval = sys.getswitchinterval()
         sys.setswitchinterval(SWITCH_INTERVAL_S)
         try:
             while not self._stop.is_set():
+                self.last_loop = time.monotonic()
                 try:
                     busy = self.run_once()
                     self._backoff = 0.0
@@ -132,7 +148,7 @@ class Relay:
             if self._append_thread is not None:
                 self._append_thread.shutdown(wait=True)
                 self._append_thread = None
-        log.info("relay %s stopped: %s", self.node_id, self.stats)
+        log.info("relay %s stopped: %s", self.node_id, self.stats, extra={"node": self.node_id})
         return self.stats
 
     def run_once(self) -> bool:
@@ -150,7 +166,8 @@ class Relay:
                 busy |= self.relay_partition(partition, epoch)
             except LeaseLostError:
                 self.stats.lease_losses += 1
-                log.warning("lost the lease of partition %s", partition)
+                log.warning("lost the lease of partition %s", partition,
+                            extra={"node": self.node_id, "partition": partition, "epoch": epoch})
                 self.leases.pop(partition, None)
         return busy
 
@@ -243,8 +260,11 @@ class Relay:
     ) -> tuple[append.Verdicts, bool]:
         """The Redis side of a batch: the append script, then the optional durability barrier."""
         s = self.settings
+        started = time.perf_counter()
         verdicts = append.append(self.client, s.key_prefix, rows, epoch, s.stream_maxlen_unsafe,
                                  self.repairer.floors)
+        if self.metrics is not None:
+            self.metrics.appended(len(rows), verdicts, time.perf_counter() - started)
         confirmed = not verdicts.delivered or append.durability_barrier(
             self.client, s.wait_replicas, s.wait_timeout_ms, s.wait_aof
         )
@@ -260,6 +280,8 @@ class Relay:
                 self.repairer.check_soon()
                 code = err.code  # what `outbox status` shows as the rows' last error
             self.stats.unknown_outcomes += len(rows)
+            if self.metrics is not None:
+                self.metrics.append_failed(code, len(rows))
             store.record_unknown(self.engine, rows[0].partition, [r.seq for r in rows], code)
             raise
         if not confirmed:
@@ -302,9 +324,12 @@ class Relay:
         if now < self._next_lease_check:
             return
         s = self.settings
-        self.leases = store.acquire_leases(
+        self.leases_tried_at = now
+        leases = store.acquire_leases(
             self.engine, self.node_id, s.partitions, s.lease_ttl_ms, now_ms()
         )
+        self.stats.lease_acquisitions += sum(self.leases.get(p) != e for p, e in leases.items())
+        self.leases = leases
         self._next_lease_check = now + s.lease_ttl_ms / 3000
 
     def _sleep_backoff(self, err: UnavailableError) -> None:
@@ -322,6 +347,7 @@ class Relay:
         except UnavailableError:
             log.warning("could not release leases; they expire by themselves")
         self.leases = {}
+        self._next_lease_check = 0.0  # a later run() leases again at once
 
 
 def _last_seq(rows: list[claim.OutboxRow]) -> int:

@@ -16,9 +16,12 @@ caller's epoch. :func:`fenced_out` turns the error reply into :class:`LeaseLostE
 
 from __future__ import annotations
 
+from typing import Any
+
 import redis
 
 from shared.errors import LeaseLostError
+from shared.redis_conn import translate_redis_errors
 
 PRELUDE = """
 local fence = tonumber(redis.call('GET', KEYS[2]) or '0')
@@ -38,3 +41,16 @@ def fenced_out(err: redis.ResponseError) -> LeaseLostError | None:
     if not text.startswith("FENCED"):
         return None
     return LeaseLostError(f"a newer relay owns this stream (fence epoch {text[7:].strip()})")
+
+
+def run_fenced(client: redis.Redis, script: str, keys: list[str], args: list[Any]) -> Any:
+    """Run a fenced script (``EVALSHA``, loading it when Redis lacks it); a ``FENCED`` reply
+    raises :class:`LeaseLostError`, a lost connection :class:`UnavailableError`."""
+    try:
+        with translate_redis_errors():
+            return client.register_script(script)(keys=keys, args=args)
+    except redis.ResponseError as err:
+        lost = fenced_out(err)
+        if lost is not None:
+            raise lost from err
+        raise

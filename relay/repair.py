@@ -25,6 +25,10 @@ there, or loses a consumer group:
   entries list onto the rebuilt stream and swaps it in. A group that had read past a restored
   entry is rewound to just before it, so the restored entries are delivered to it.
 
+Only rows at or above the stream's **trim floor** count, are compared and are put back: what
+:mod:`relay.trim` removed because every group had acknowledged it is never re-added. A stream
+whose every delivered entry was trimmed and then lost gets its last id raised back instead.
+
 Its SQL is in :mod:`relay.store`, its Redis commands in :mod:`relay.repair_streams`.
 """
 
@@ -89,7 +93,9 @@ def compare(
     """Compare one stream with what the outbox delivered to it; say why it is behind."""
     key = keys.stream_key(prefix, stream, partition)
     state = streams.stream_state(client, key)
-    newest = store.newest_delivered_id(engine, stream, partition) if delivered else None
+    # Even with nothing above the trim floor: a stream trimmed to nothing and then lost must
+    # get its last id back before anything newer is appended.
+    newest = store.newest_delivered_id(engine, stream, partition)
     reason = None
     if delivered and not state.exists:
         reason = "stream_missing"
@@ -122,6 +128,8 @@ def repair(
     if present >= at_or_below:
         added = refill(client, finding, epoch, above, chunk)
         if added == len(above):
+            if not above and finding.newest is not None:  # all trimmed on purpose, then lost
+                streams.raise_top(client, finding.key, finding.fence, epoch, finding.newest)
             return "refill", added
     rows = store.delivered_rows(engine, finding.stream, finding.partition)
     restored = rebuild(client, finding, epoch, rows, maxlen, chunk)
@@ -226,6 +234,9 @@ class Repairer:
         self.floors: dict[str, str] = {}
         self._next_check = 0.0
         self._checked: dict[int, int] = {}
+        # (stream, partition) of every stream the last check found in the outbox: the
+        # streams the relay trims (relay/trim.py).
+        self.streams: set[tuple[str, int]] = set()
 
     def check_soon(self) -> None:
         """Run the check at the next round (an append found a stream behind its floor)."""
@@ -248,6 +259,7 @@ class Repairer:
         s = self.settings
         self.stats.checks += 1
         counts = store.delivered_counts(self.engine, sorted(leases))
+        self.streams = set(counts)
         added = 0
         for (stream, partition), delivered in sorted(counts.items()):
             finding = compare(self.engine, self.client, s.key_prefix, stream, partition, delivered)

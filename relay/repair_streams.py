@@ -176,21 +176,37 @@ return {groups, claimed}
 """
 
 
+# ARGV: epoch, id. The stream's last id becomes ``id`` if it is below it: a stream whose every
+# delivered entry was trimmed on purpose, then lost with Redis, gets its top back so appends
+# (which must go above every delivered id) are accepted. A missing stream is created by an
+# XADD trimmed away at once (MAXLEN 0): no entry is ever visible.
+_RAISE_TOP = fence.PRELUDE + """
+if redis.call('EXISTS', KEYS[1]) == 0 then
+  redis.call('XADD', KEYS[1], 'MAXLEN', '0', ARGV[2], 'outbox.placeholder', '1')
+  return 1
+end
+local info = redis.call('XINFO', 'STREAM', KEYS[1])
+local s = {}
+for i = 1, #info, 2 do s[info[i]] = info[i + 1] end
+local tm, ts = string.match(ARGV[2], '(%d+)-(%d+)')
+local lm, ls = string.match(s['last-generated-id'], '(%d+)-(%d+)')
+if tonumber(lm) > tonumber(tm) or (tonumber(lm) == tonumber(tm) and tonumber(ls) >= tonumber(ts))
+then
+  return 0
+end
+redis.call('XSETID', KEYS[1], ARGV[2])
+return 1
+"""
+
+
+def raise_top(client: redis.Redis, key: str, fence_key: str, epoch: int, top: str) -> bool:
+    """Raise the stream's last id to ``top`` (never lower it); whether it changed."""
+    return bool(fence.run_fenced(client, _RAISE_TOP, [key, fence_key], [epoch, top]))
+
+
 def rebuild_key(key: str) -> str:
     """The temporary key a rebuild fills: ``<stream key>:rebuild`` (same hash tag)."""
     return f"{key}:rebuild"
-
-
-def _run(client: redis.Redis, script: str, keys: list[str], args: list[Any]) -> Any:
-    """Run a fenced script; a ``FENCED`` reply raises LeaseLostError."""
-    try:
-        with translate_redis_errors():
-            return client.register_script(script)(keys=keys, args=args)
-    except redis.ResponseError as err:
-        lost = fence.fenced_out(err)
-        if lost is not None:
-            raise lost from err
-        raise
 
 
 def _entry_args(entries: Sequence[tuple[str, Fields]]) -> list[bytes | str | int]:
@@ -229,13 +245,14 @@ def refill(
     Redis refuses an id at or below the top, so an entry can never land twice; the script
     stops at the first refusal, so what landed is always a prefix of the chunk.
     """
-    landed, refusal = _run(client, _REFILL, [key, fence_key], [epoch, *_entry_args(entries)])
+    landed, refusal = fence.run_fenced(client, _REFILL, [key, fence_key],
+                                       [epoch, *_entry_args(entries)])
     return int(landed), refusal.decode() if isinstance(refusal, bytes) else str(refusal)
 
 
 def begin_rebuild(client: redis.Redis, key: str, fence_key: str, epoch: int) -> StreamState:
     """Empty the temporary key; the stream's state the swap will require unchanged."""
-    state = _run(client, _BEGIN, [key, fence_key, rebuild_key(key)], [epoch])
+    state = fence.run_fenced(client, _BEGIN, [key, fence_key, rebuild_key(key)], [epoch])
     return StreamState.parse(state.decode() if isinstance(state, bytes) else str(state))
 
 
@@ -257,7 +274,7 @@ def add_to_rebuild(
     client: redis.Redis, key: str, fence_key: str, epoch: int, entries: Sequence[Entry]
 ) -> None:
     """Append one chunk (ids above everything added before) to the temporary key."""
-    _run(client, _ADD, [key, fence_key, rebuild_key(key)],
+    fence.run_fenced(client, _ADD, [key, fence_key, rebuild_key(key)],
          [epoch, *_entry_args([(e.id, e.fields) for e in entries])])
 
 
@@ -270,7 +287,7 @@ def swap(
     ``(groups, pending entries)`` moved, or None (temporary key dropped, stream untouched)
     when the stream changed since :func:`begin_rebuild` or the temporary key is incomplete.
     """
-    groups, claimed = _run(
+    groups, claimed = fence.run_fenced(
         client, _SWAP, [key, fence_key, rebuild_key(key)],
         [epoch, before.signature(), length, top, entries_added, before.max_deleted,
          first_restored, rewind_to],

@@ -45,7 +45,7 @@ from relay.claim import (
 )
 from shared.db import db_now_ms, is_postgres, json_recordset, now_ms, translate_errors
 from shared.errors import LeaseLostError
-from shared.schema import outbox, relay_leases, relay_nodes
+from shared.schema import outbox, relay_leases, relay_nodes, stream_trims
 
 
 def _upsert(conn: Connection) -> Any:
@@ -372,16 +372,70 @@ def record_unknown(engine: Engine, partition: int, seqs: list[int], code: str) -
 
 
 def delivered_counts(engine: Engine, partitions: list[int]) -> dict[tuple[str, int], int]:
-    """``{(stream, partition): delivered rows}`` for the given partitions (one grouped scan)."""
+    """``{(stream, partition): delivered rows at or above its trim floor}`` for the given
+    partitions (one grouped scan): what the stream should hold, or have held (rows below the
+    floor were trimmed on purpose, relay/trim.py). A stream with only a floor counts 0."""
     if not partitions:
         return {}
+    floor = stream_trims.c.floor_entry_id
+    joined = outbox.outerjoin(
+        stream_trims,
+        (stream_trims.c.stream == outbox.c.stream)
+        & (stream_trims.c.partition == outbox.c.partition),
+    )
     with translate_errors(), engine.connect() as conn:
         rows = conn.execute(
             select(outbox.c.stream, outbox.c.partition, func.count())
-            .where(outbox.c.partition.in_(partitions), outbox.c.delivered_at_ms.is_not(None))
+            .select_from(joined)
+            .where(
+                outbox.c.partition.in_(partitions),
+                outbox.c.delivered_at_ms.is_not(None),
+                or_(floor.is_(None), outbox.c.entry_id >= floor),
+            )
             .group_by(outbox.c.stream, outbox.c.partition)
         ).all()
-    return {(stream, partition): int(n) for stream, partition, n in rows}
+        floors = conn.execute(
+            select(stream_trims.c.stream, stream_trims.c.partition)
+            .where(stream_trims.c.partition.in_(partitions))
+        ).all()
+    counts = {(stream, partition): int(n) for stream, partition, n in rows}
+    for stream, partition in floors:
+        counts.setdefault((stream, partition), 0)
+    return counts
+
+
+def trim_floor(engine: Engine, stream: str, partition: int) -> str:
+    """The trim floor of ``(stream, partition)`` (``"<ms>-0"``), or ``"0-0"`` if never trimmed."""
+    with translate_errors(), engine.connect() as conn:
+        floor = conn.execute(
+            select(stream_trims.c.floor_entry_id).where(
+                stream_trims.c.stream == stream, stream_trims.c.partition == partition
+            )
+        ).scalar_one_or_none()
+    return floor or entry_ids.ZERO
+
+
+def record_trim(
+    engine: Engine, stream: str, partition: int, floor: str, trimmed: int, now: int
+) -> None:
+    """Raise the trim floor of ``(stream, partition)`` to ``floor`` (never lower it) and add
+    ``trimmed`` to its count. Called after the ``XTRIM``, so the floor is never above what
+    was trimmed."""
+    key = (stream_trims.c.stream == stream, stream_trims.c.partition == partition)
+    with translate_errors(), engine.begin() as conn:
+        current = conn.execute(
+            select(stream_trims.c.floor_entry_id).where(*key).with_for_update()
+        ).scalar_one_or_none()
+        if current is None:
+            conn.execute(_upsert(conn)(stream_trims).values(
+                stream=stream, partition=partition, floor_entry_id=floor, trimmed=trimmed,
+                updated_at_ms=now,
+            ).on_conflict_do_nothing())
+            return
+        higher = floor if entry_ids.greater(floor, current) else current
+        conn.execute(update(stream_trims).where(*key).values(
+            floor_entry_id=higher, trimmed=stream_trims.c.trimmed + trimmed, updated_at_ms=now,
+        ))
 
 
 def newest_delivered_id(engine: Engine, stream: str, partition: int) -> str | None:
@@ -410,8 +464,15 @@ def newest_delivered_id(engine: Engine, stream: str, partition: int) -> str | No
 def delivered_rows(
     engine: Engine, stream: str, partition: int, after: str = entry_ids.ZERO
 ) -> list[OutboxRow]:
-    """Delivered rows of ``(stream, partition)`` with an entry id greater than ``after``, in
-    entry id order: what a refill appends, under the ids the stream first had them."""
+    """Delivered rows of ``(stream, partition)`` with an entry id greater than ``after`` and
+    at or above the stream's trim floor, in entry id order: what a refill appends, under the
+    ids the stream first had them (never what was trimmed on purpose)."""
+    floor = trim_floor(engine, stream, partition)
+    if entry_ids.greater(floor, after):
+        after = entry_ids.format_id(entry_ids.parse(floor)[0], 0)
+        lowest_ok = floor  # rows equal to the floor id are kept too
+    else:
+        lowest_ok = ""
     after_ms = entry_ids.parse(after)[0]
     with translate_errors(), engine.connect() as conn:
         rows = conn.execute(
@@ -422,7 +483,8 @@ def delivered_rows(
                 outbox.c.entry_id >= f"{after_ms:013d}-",
             )
         ).all()
-    found = [_to_row(r, r.entry_id) for r in rows if entry_ids.greater(r.entry_id, after)]
+    found = [_to_row(r, r.entry_id) for r in rows
+             if r.entry_id == lowest_ok or entry_ids.greater(r.entry_id, after)]
     return sorted(found, key=lambda r: entry_ids.parse(r.entry_id))
 
 

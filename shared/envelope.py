@@ -5,6 +5,10 @@ A stream entry is a flat map of strings so that any Redis client in any language
     specversion=1.0  id=<event id>  source=<service>  type=<kind>  time=<RFC 3339>
     subject=<aggregate id>  datacontenttype=application/json  data=<JSON text>
     aggregatetype=<type>  aggregateid=<id>  revision=<int>  [traceparent=<W3C>]
+    [tracestate=<W3C>]
+
+``traceparent``/``tracestate`` are the CloudEvents distributed tracing extension (W3C Trace
+Context): the producer's span context, which the consumer's handler span continues.
 
 The ``id`` is the idempotency key: consumers record it in their inbox.
 """
@@ -44,6 +48,7 @@ class Event(BaseModel):
     aggregateid: str | None = Field(default=None, max_length=256)
     revision: int | None = Field(default=None, ge=0, le=MAX_REVISION)
     traceparent: str | None = None
+    tracestate: str | None = None
 
     def to_fields(self) -> dict[str, str]:
         """Flat string fields for ``XADD`` (absent optional attributes are left out)."""
@@ -62,6 +67,7 @@ class Event(BaseModel):
             "aggregateid": self.aggregateid,
             "revision": None if self.revision is None else str(self.revision),
             "traceparent": self.traceparent,
+            "tracestate": self.tracestate,
         }
         fields.update({k: v for k, v in optional.items() if v is not None})
         return fields

@@ -27,13 +27,9 @@ class RedactingFilter(logging.Filter):
         return True
 
 
-def configure_logging(level: str) -> None:
-    """Root logging for a daemon: one line per record, credentials redacted."""
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
-    handler.addFilter(RedactingFilter())
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(level.upper())
-    # Alembic reports every schema check at INFO; that is noise in a daemon's log.
-    logging.getLogger("alembic").setLevel(max(root.level, logging.WARNING))
+def configure_logging(level: str, fmt: str = "text") -> None:
+    """Root logging for a daemon (kept here for existing imports): see
+    :func:`shared.logs.configure_logging`."""
+    from shared.logs import configure_logging as configure  # shared.logs imports this module
+
+    configure(level, fmt)

@@ -52,7 +52,10 @@ def translate_redis_errors() -> Iterator[None]:
     except redis.ResponseError as err:
         # a pipeline wraps a command's error: "Command # 1 (XCLAIM …) of pipeline caused error: …"
         text = str(err).split(" of pipeline caused error: ", 1)[-1]
-        if text.startswith(("NOPERM", "NOAUTH", "WRONGPASS")):
+        # Redis 7.0 reports an ACL refusal inside a script without the NOPERM code.
+        if text.startswith(("NOPERM", "NOAUTH", "WRONGPASS")) or (
+            "can't run this command" in text or "has no permissions" in text
+        ):
             raise UnavailableError("Redis refused the command for our user (ACL)") from err
         if text.startswith("NOGROUP"):
             raise UnavailableError("the consumer group is missing (did Redis lose data?)") from err

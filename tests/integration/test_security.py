@@ -30,7 +30,7 @@ from sqlalchemy import Connection, Engine, create_engine, func, select, text
 
 from cli import main as cli_main
 from cli import status
-from consumer import Handlers, dead_letters
+from consumer import Handlers, dead_letters, hygiene
 from consumer.daemon import Consumer
 from producer import Producer
 from relay.daemon import Relay
@@ -245,6 +245,15 @@ def run_consumer(engine: Engine, url: str, prefix: str, flaky_id: str) -> None:
         consumer.run_once(block_ms=1)
     assert applied(engine) == N_EVENTS and consumer.stats.autoclaimed >= 1
     assert _pending(client, prefix) == 0 and consumer.stats.dead == 1  # sec.late
+    # group hygiene (its script, DELCONSUMER of an idle consumer, XTRIM of the letters)
+    key = keys.stream_key(prefix, "sec", 1)
+    client.xreadgroup("sec", "gone", {key: "0"})  # creates a consumer with nothing pending
+    tidy = hygiene.GroupHygiene(settings.model_copy(update={"consumer_idle_s": 0.05}), engine,
+                                client, consumer.leases)
+    while time.monotonic() < deadline and not tidy.stats.consumers_removed:
+        tidy.run()
+        time.sleep(0.01)
+    assert tidy.stats.consumers_removed == 1 and tidy.stats.dead_letters_trimmed == 0
 
 
 def _pending(client: redis.Redis, prefix: str) -> int:

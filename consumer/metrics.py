@@ -1,0 +1,284 @@
+"""The consumer's metrics: one registry per :class:`consumer.daemon.Consumer`.
+
+Three kinds, by what they cost:
+
+- Counters the consumer already keeps (:class:`ConsumerStats`, group hygiene, retention, the
+  app's own such as the run worker and sweeper through ``Handlers.observed``), read at scrape
+  time (:class:`shared.metrics.StatsCollector`).
+- On the hot path: ``outbox_consumer_outcomes_total{group,type,outcome,reason}`` (counted per
+  batch in a dict, then one ``inc`` per label set), the claim transaction's duration (one
+  observation per batch) and each handler call's duration by event type (one observation
+  per event, from a wrapper :meth:`consumer.handlers.Handlers.instrument` installs).
+- Gauges read from Redis at scrape time, in one pipelined round trip over the partition
+  streams this consumer owns (so summing over the consumers of a group counts each stream
+  once): pending entries (PEL) and the age of the oldest, the group's lag, the length of
+  each dead-letter stream, and the leases held.
+
+Labels stay bounded: group, stream, partition, outcome, reason (our codes, a handler's error
+class) and type, which is the event type when a handler is registered for it by name, ``*``
+for the catch-all handler and ``other`` otherwise (an unknown type from a foreign producer
+must not create a series per type). Never an event or entry id.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections import Counter as Tally
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import redis
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.metrics_core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+from sqlalchemy import Connection
+
+from consumer.handlers import Handler
+from consumer.ordering import DEAD, DUPLICATE, Outcome
+from shared import keys
+from shared.db import now_ms
+from shared.envelope import Event
+from shared.errors import OutboxError
+from shared.metrics import (
+    SECONDS_BUCKETS,
+    LabelCache,
+    Naming,
+    Source,
+    StatsCollector,
+    discover,
+    scrape_up,
+)
+from shared.redis_conn import translate_redis_errors
+
+if TYPE_CHECKING:
+    from consumer.daemon import Consumer
+
+log = logging.getLogger(__name__)
+
+NAMESPACE = "outbox_consumer"
+
+CONSUMER_NAMES = {
+    "read": ("entries_read", "Stream entries read (new ones and pending re-reads)."),
+    "invalid": ("entries_invalid", "Entries that did not parse (dead-lettered with the reason)."),
+    "autoclaimed": ("entries_reread", "Pending entries re-read by a pending pass."),
+    "taken_over": ("entries_taken_over",
+                   "Pending entries moved to this consumer from another one of the group."),
+    "lease_losses": ("lease_losses", "Claims refused because a partition stream was taken over."),
+    "lost": ("entries_lost",
+             "Entries that vanished from the stream while pending (receipt lost, dead letter)."),
+}
+# Exported with their event type by outbox_consumer_outcomes_total instead.
+OUTCOME_FIELDS = frozenset({"applied", "duplicates", "superseded", "dead", "out_of_order",
+                            "failed", "waiting"})
+
+WORKER_NAMES = {
+    "claimed": ("claimed", "Runs leased to this worker by a run event."),
+    "stages": ("stages", "Run stages executed."),
+    "completed": ("completed", "Runs completed."),
+    "asked": ("questions", "Questions asked by runs that then waited for input."),
+    "failed": ("failed", "Runs that failed."),
+    "lost": ("leases_lost", "Executions stopped because the run's lease expired or moved."),
+    "errors": ("errors", "Stages or checkpoints that raised unexpectedly (left to the sweeper)."),
+    "skipped": ("skipped", "Run events skipped without executing, by reason."),
+}
+SWEEPER_NAMES = {
+    "resumed": ("resumed", "Runs whose execution lease expired and that got a run.resume."),
+    "failed": ("failed", "Runs whose lease expired after run_max_attempts (failed)."),
+    "raced": ("raced", "Expired runs another sweeper (or the worker) handled first."),
+}
+
+KNOWN = {
+    "stats": Naming("", CONSUMER_NAMES, OUTCOME_FIELDS),
+    "hygiene_stats": Naming("hygiene"),
+    "prune_stats": Naming("prune"),
+    "run_worker": Naming("run_worker", WORKER_NAMES),
+    "run_sweeper": Naming("run_sweeper", SWEEPER_NAMES),
+}
+"""Stats dataclasses by attribute of the consumer (or key of ``Handlers.observed``); any
+other one is exported too (:func:`shared.metrics.discover`)."""
+
+
+class ConsumerMetrics:
+    """The registry of one consumer, and the hooks its loop calls per batch."""
+
+    def __init__(self, consumer: Consumer) -> None:
+        group = consumer.settings.group
+        self.registry = CollectorRegistry(auto_describe=False)
+        outcomes = Counter(
+            f"{NAMESPACE}_outcomes",
+            "Claimed deliveries by event type and outcome (applied, duplicate, superseded, "
+            "dead, failed, waiting); reason: why dead (unknown_type, max_deliveries, "
+            "out_of_order …) or the failing handler's error.",
+            ["group", "type", "outcome", "reason"], registry=self.registry)
+        claim = Histogram(
+            f"{NAMESPACE}_claim_duration_seconds",
+            "Duration of one batch's claim transaction (handlers included), in seconds.",
+            ["group"], buckets=SECONDS_BUCKETS, registry=self.registry)
+        handler = Histogram(
+            f"{NAMESPACE}_handler_duration_seconds",
+            "Duration of one handler call, by event type, in seconds.",
+            ["group", "type"], buckets=SECONDS_BUCKETS, registry=self.registry)
+        self._group = group
+        self._outcomes = LabelCache(outcomes)
+        self._claim = claim.labels(group)
+        self._handler = LabelCache(handler)
+        self._types = frozenset(consumer.handlers)
+        consumer.handlers.instrument(self._timed)
+        self.registry.register(StatsCollector(
+            NAMESPACE, functools.partial(_sources, consumer), labels={"group": group},
+            periodic=lambda: consumer.periodic))
+        self.registry.register(StreamsCollector(consumer))
+
+    def type_label(self, event_type: str) -> str:
+        """The bounded ``type`` label of an event type (see the module docstring)."""
+        if event_type in self._types:
+            return event_type
+        return "*" if "*" in self._types else "other"
+
+    def claimed(self, outcomes: list[Outcome], seconds: float) -> None:
+        """One claim transaction committed (hot path: one dict pass, one ``inc`` per label
+        set, one observation)."""
+        self._claim.observe(seconds)
+        tally: Tally[tuple[str, str, str]] = Tally()
+        for o in outcomes:
+            reason = "" if o.outcome == DUPLICATE or o.error is None else o.error
+            tally[(o.delivery.event.type, o.outcome, reason)] += 1
+        for (event_type, outcome, reason), count in tally.items():
+            self._outcomes(self._group, self.type_label(event_type), outcome,
+                           reason if outcome != DEAD else reason or DEAD).inc(count)
+
+    def _timed(self, event_type: str, handler: Handler) -> Handler:
+        child = self._handler(self._group, event_type)
+
+        def timed(conn: Connection, event: Event, /) -> None:
+            started = time.perf_counter()
+            try:
+                handler(conn, event)
+            finally:
+                child.observe(time.perf_counter() - started)
+
+        return timed
+
+
+def _sources(consumer: Consumer) -> Iterable[Source]:
+    yield from discover(consumer, KNOWN)
+    for name, stats in list(consumer.handlers.observed.items()):
+        yield Source(functools.partial(_same, stats), KNOWN.get(name, Naming(name)))
+
+
+def _same(value: object) -> object:
+    return value
+
+
+class StreamsCollector(Collector):
+    """Gauges read from Redis when scraped, over the partition streams this consumer owns."""
+
+    def __init__(self, consumer: Consumer) -> None:
+        self.consumer = consumer
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        c = self.consumer
+        group = c.settings.group
+        owned = [k for k in c.leases.ids if k in c.leases.held]
+        leases = GaugeMetricFamily(f"{NAMESPACE}_leases_held",
+                                   "Partition streams this consumer owns.", labels=["group"])
+        leases.add_metric([group], len(owned))
+        yield leases
+        try:
+            replies = _stream_replies(c, owned)
+        except OutboxError as err:
+            log.debug("stream gauges skipped: %s", err)
+            yield scrape_up(NAMESPACE, {"redis": False}, {"group": group})
+            return
+        labels = ["group", "stream", "partition"]
+        pending = GaugeMetricFamily(f"{NAMESPACE}_pending_entries",
+                                    "Entries delivered to the group and not yet acknowledged "
+                                    "(the PEL: failed and waiting ones, or in progress).",
+                                    labels=labels)
+        oldest = GaugeMetricFamily(f"{NAMESPACE}_oldest_pending_age_seconds",
+                                   "Age of the oldest pending entry of the group, from its "
+                                   "entry id's time (0 when none is pending).", labels=labels)
+        lag = GaugeMetricFamily(f"{NAMESPACE}_group_lag",
+                                "Entries of the stream the group has not read yet (XINFO "
+                                "GROUPS lag; absent when Redis cannot tell).", labels=labels)
+        dead = GaugeMetricFamily(f"{NAMESPACE}_dead_letters",
+                                 "Entries in the stream's dead-letter stream (XLEN).",
+                                 labels=["stream", "partition"])
+        now = now_ms()
+        for key, (summary, groups, dead_len) in zip(owned, replies, strict=True):
+            stream, partition = c.leases.ids[key]
+            values = [group, stream, str(partition)]
+            if isinstance(summary, dict):
+                pending.add_metric(values, int(summary["pending"]))
+                first = summary.get("min")
+                age_ms = now - _id_ms(first) if first else 0
+                oldest.add_metric(values, max(age_ms, 0) / 1000)
+            found = _group_info(groups, group)
+            if found is not None and found.get("lag") is not None:
+                lag.add_metric(values, int(found["lag"]))
+            if isinstance(dead_len, int):
+                dead.add_metric([stream, str(partition)], dead_len)
+        yield from (pending, oldest, lag, dead)
+        yield scrape_up(NAMESPACE, {"redis": True}, {"group": group})
+
+
+def _stream_replies(consumer: Consumer, owned: list[str]) -> list[tuple[Any, Any, Any]]:
+    """Per owned key: (XPENDING summary, XINFO GROUPS, XLEN of its dead-letter stream), in
+    one pipeline; a command Redis refused (no group yet) leaves its error in place."""
+    if not owned:
+        return []
+    prefix, group = consumer.settings.key_prefix, consumer.settings.group
+    with translate_redis_errors():
+        pipe = consumer.client.pipeline(transaction=False)
+        for key in owned:
+            stream, partition = consumer.leases.ids[key]
+            pipe.xpending(key, group)
+            pipe.xinfo_groups(key)
+            pipe.xlen(keys.dead_letter_key(prefix, stream, partition))
+        flat: list[Any] = pipe.execute(raise_on_error=False)
+        _raise_unavailable(flat)
+    return [(flat[i], flat[i + 1], flat[i + 2]) for i in range(0, len(flat), 3)]
+
+
+def _raise_unavailable(replies: list[Any]) -> None:
+    """Re-raise a connection error left in a pipeline's replies (a refused command, such as
+    ``NOGROUP`` before the group exists, stays in place as "no value")."""
+    for reply in replies:
+        if isinstance(reply, redis.ConnectionError | redis.TimeoutError):
+            raise reply
+
+
+def _group_info(groups: Any, group: str) -> dict[str, Any] | None:
+    if not isinstance(groups, list):
+        return None
+    for g in groups:
+        name = g.get("name")
+        if (name.decode() if isinstance(name, bytes) else name) == group:
+            return dict(g)
+    return None
+
+
+def _id_ms(entry_id: bytes | str) -> int:
+    text = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+    return int(text.partition("-")[0])
+
+
+def groups_check(consumer: Consumer) -> None:
+    """Readiness: the consumer group exists on every partition stream this consumer reads."""
+    group = consumer.settings.group
+    with translate_redis_errors():
+        pipe = consumer.client.pipeline(transaction=False)
+        for key in consumer.keys:
+            pipe.xinfo_groups(key)
+        replies: list[Any] = pipe.execute(raise_on_error=False)
+        _raise_unavailable(replies)
+    missing = [k for k, r in zip(consumer.keys, replies, strict=True)
+               if _group_info(r, group) is None]
+    if missing:
+        raise OutboxError(f"group {group} is missing on {len(missing)} of "
+                          f"{len(consumer.keys)} partition stream(s)", code="group_missing")

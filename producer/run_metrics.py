@@ -1,0 +1,51 @@
+"""Runs by status, read from the run store when ``/metrics`` is scraped.
+
+``outbox_runs{status}``: how many runs are in each status now (one ``GROUP BY`` over the
+status index). Exported by ``outbox serve`` and ``outbox consume`` (the daemons that own runs);
+every instance reads the same table, so take ``max`` by status across instances.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+
+from prometheus_client.metrics_core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+from sqlalchemy import Engine, func, select
+
+from shared import runstate as rs
+from shared.db import translate_errors
+from shared.errors import OutboxError
+from shared.schema import runs
+
+log = logging.getLogger(__name__)
+
+
+def runs_by_status(engine: Engine) -> dict[str, int]:
+    """``{status: runs}`` for every status that has runs."""
+    query = select(runs.c.status, func.count()).group_by(runs.c.status)
+    with translate_errors(), engine.connect() as conn:
+        return {str(status): int(n) for status, n in conn.execute(query).all()}
+
+
+class RunsCollector(Collector):
+    """``outbox_runs{status}`` (every known status, 0 when none) at scrape time."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            counts = runs_by_status(self.engine)
+        except OutboxError as err:
+            log.debug("runs gauge skipped (absent from this scrape): %s", err)
+            return
+        family = GaugeMetricFamily("outbox_runs", "Runs in each status now.",
+                                   labels=["status"])
+        for status in sorted(set(rs.STATUSES) | set(counts)):
+            family.add_metric([status], counts.get(status, 0))
+        yield family

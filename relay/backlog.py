@@ -1,0 +1,42 @@
+"""What the relay's gauges read from the database when ``/metrics`` is scraped.
+
+One statement over the pending rows (the partial index ``ix_outbox_events_pending`` holds only
+undelivered rows, so its cost follows the backlog, not the table), in a read-only transaction
+of its own, never on the relay's loop thread.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sqlalchemy import Engine, func, select
+
+from shared.db import translate_errors
+from shared.schema import outbox
+
+
+@dataclass(frozen=True)
+class PartitionBacklog:
+    """Undelivered rows of one stream partition, and when the oldest became deliverable."""
+
+    stream: str
+    partition: int
+    rows: int
+    oldest_available_at_ms: int
+
+
+def backlog(engine: Engine) -> list[PartitionBacklog]:
+    """Undelivered rows per (stream, partition), with the earliest ``available_at_ms``.
+
+    ``available_at_ms`` rather than ``created_at_ms``: a delayed event is not late before it is
+    due, so "oldest undelivered age" measures how long deliverable work has waited.
+    """
+    query = (
+        select(outbox.c.stream, outbox.c.partition, func.count(),
+               func.min(outbox.c.available_at_ms))
+        .where(outbox.c.delivered_at_ms.is_(None))
+        .group_by(outbox.c.stream, outbox.c.partition)
+    )
+    with translate_errors(), engine.connect() as conn:
+        rows = conn.execute(query).all()
+    return [PartitionBacklog(r[0], int(r[1]), int(r[2]), int(r[3])) for r in rows]

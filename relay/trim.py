@@ -1,0 +1,164 @@
+"""Trim each partition stream below what every consumer group has acknowledged.
+
+Redis 7.0 has no ``XTRIM … ACKED``, and ``MAXLEN`` ignores consumer groups (a lagging group
+loses entries it never read). So the owner of a partition runs :data:`SCRIPT` on each of its
+streams every ``trim_interval_s``. The script decides and trims in one atomic step, so no group
+can move between the decision and the trim:
+
+* for every group, the lowest id it may still need: its oldest pending entry, else the entry
+  after its last-delivered id (an entry it has not read yet); the threshold is the lowest of
+  those over all groups;
+* a stream with **no group** is never trimmed (nobody has acknowledged anything, and the
+  consumers may simply not have started yet);
+* the newest ``stream_keep`` entries and every entry younger than ``stream_keep_s`` are kept
+  (for a group created later, and for ``redis-cli`` inspection);
+* the threshold is a whole millisecond (``<ms>-0``: the millisecond of the first entry still
+  needed, so every entry below it is not needed) so the database can select the rows at or
+  above it by entry id text (13-digit milliseconds sort as text); when nothing is needed, the
+  millisecond after the newest entry (the relay's ids never reuse a millisecond:
+  relay/entry_ids.batch_ms);
+* ``XTRIM MINID =`` the threshold: only entries strictly below it go.
+
+After the trim the relay records the threshold as the stream's **trim floor** in
+``outbox_stream_trims`` (it only ever rises). Repair refills only delivered rows at or above the
+floor, so it never re-adds what was trimmed on purpose. The floor is recorded after the trim, so
+it is never above what was trimmed; if the relay dies between the two, the floor stays lower and
+a repair after a Redis loss could re-add a few acknowledged entries: the consumers' receipts
+(kept while their entries are at or above the floor) make those duplicates, never a second
+application.
+
+Redis 8.2's ``XTRIM … ACKED`` would give the same guarantee server-side; the script computes it
+atomically on every version, so it is used everywhere (our CI runs Redis 7.0).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import redis
+from sqlalchemy import Engine
+
+from relay import entry_ids, fence, store
+from shared import keys
+from shared.db import now_ms
+from shared.errors import LeaseLostError
+from shared.redaction import redact_url
+from shared.settings import RetentionSettings
+
+log = logging.getLogger(__name__)
+
+# KEYS: stream, fence key. ARGV: epoch, keep (entries), cutoff ms (entries at or after it kept).
+# Returns {threshold "<ms>-0" or "" (nothing trimmed), entries trimmed, length after}.
+# allow-oom: trimming is how a stream gives memory back; refusing it under maxmemory would
+# keep Redis full.
+SCRIPT = "#!lua flags=allow-oom\n" + fence.PRELUDE + """
+if redis.call('EXISTS', KEYS[1]) == 0 then return {'', 0, 0} end
+local function parse(id)
+  local ms, seq = string.match(id, '^(%d+)-(%d+)$')
+  return tonumber(ms), tonumber(seq)
+end
+local function below(a_ms, a_seq, b_ms, b_seq)
+  return a_ms < b_ms or (a_ms == b_ms and a_seq < b_seq)
+end
+local groups = redis.call('XINFO', 'GROUPS', KEYS[1])
+if #groups == 0 then return {'', 0, redis.call('XLEN', KEYS[1])} end
+local t_ms, t_seq = math.huge, 0
+for _, g in ipairs(groups) do
+  local info = {}
+  for i = 1, #g, 2 do info[g[i]] = g[i + 1] end
+  local ms, seq = parse(info['last-delivered-id'])
+  seq = seq + 1
+  if tonumber(info['pending']) > 0 then
+    local summary = redis.call('XPENDING', KEYS[1], info['name'])
+    local p_ms, p_seq = parse(summary[2])
+    if below(p_ms, p_seq, ms, seq) then ms, seq = p_ms, p_seq end
+  end
+  if below(ms, seq, t_ms, t_seq) then t_ms, t_seq = ms, seq end
+end
+local cutoff = tonumber(ARGV[3])
+if cutoff < t_ms then t_ms, t_seq = cutoff, 0 end
+local keep = tonumber(ARGV[2])
+local length = redis.call('XLEN', KEYS[1])
+if length <= keep then return {'', 0, length} end
+if keep > 0 then
+  local newest = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', keep)
+  local k_ms, k_seq = parse(newest[#newest][1])
+  if below(k_ms, k_seq, t_ms, t_seq) then t_ms, t_seq = k_ms, k_seq end
+end
+-- Whole milliseconds: every entry of a millisecond below the first entry still needed is
+-- below the threshold. With nothing needed, the millisecond after the newest entry (the relay
+-- never appends again in a millisecond it has used: relay/entry_ids.batch_ms).
+local floor_ms
+local first = redis.call('XRANGE', KEYS[1], string.format('%d-%d', t_ms, t_seq), '+', 'COUNT', 1)
+if #first > 0 then
+  floor_ms = parse(first[1][1])
+else
+  local last = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
+  if #last == 0 then return {'', 0, 0} end
+  floor_ms = parse(last[1][1]) + 1
+end
+local threshold = string.format('%d-0', floor_ms)
+local trimmed = redis.call('XTRIM', KEYS[1], 'MINID', '=', threshold)
+return {threshold, trimmed, length - trimmed}
+"""
+
+
+@dataclass
+class TrimStats:
+    """Counters since start (exported as metrics)."""
+
+    trims: int = 0  # script runs
+    trimmed_entries: int = 0
+    trim_fenced: int = 0  # refused: a newer relay owns the stream
+    trim_errors: int = 0  # refused by Redis (ACL, wrong type): logged, retried next interval
+
+
+class Trimmer:
+    """Trims the streams of the partitions this relay leases (a housekeeping task)."""
+
+    def __init__(self, settings: RetentionSettings, engine: Engine, client: redis.Redis) -> None:
+        self.settings = settings
+        self.engine = engine
+        self.client = client
+        self.stats = TrimStats()
+
+    def run(self, leases: dict[int, int], streams: set[tuple[str, int]]) -> int:
+        """Trim each of ``streams`` (``(stream, partition)``) whose partition is in the given
+        ``{partition: epoch}`` leases; entries removed. The relay passes the streams its repair
+        check found (those with delivered rows or a trim floor)."""
+        if not self.settings.stream_trim or not leases:
+            return 0
+        removed = 0
+        for stream, partition in sorted(k for k in streams if k[1] in leases):
+            try:
+                removed += self.trim(stream, partition, leases[partition])
+            except LeaseLostError:
+                self.stats.trim_fenced += 1
+                log.info("trim of %s:%s skipped: a newer relay owns the stream", stream, partition)
+            except redis.ResponseError as err:  # not transient: say so, keep relaying
+                self.stats.trim_errors += 1
+                log.warning("trim of %s:%s refused by Redis: %s", stream, partition,
+                            redact_url(str(err)).split("\n")[0][:200],
+                            extra={"stream": stream, "partition": partition})
+        return removed
+
+    def trim(self, stream: str, partition: int, epoch: int) -> int:
+        """Trim one stream as the owner of ``epoch``, then record its floor; entries removed."""
+        s = self.settings
+        cutoff = now_ms() - int(s.stream_keep_s * 1000)
+        threshold, trimmed, _length = fence.run_fenced(
+            self.client,
+            SCRIPT,
+            [keys.stream_key(s.key_prefix, stream, partition),
+             keys.fence_key(s.key_prefix, stream, partition)],
+            [epoch, s.stream_keep, cutoff],
+        )
+        self.stats.trims += 1
+        floor = threshold.decode() if isinstance(threshold, bytes) else str(threshold)
+        if floor and entry_ids.greater(floor, entry_ids.ZERO):
+            store.record_trim(self.engine, stream, partition, floor, int(trimmed), now_ms())
+        if trimmed:
+            self.stats.trimmed_entries += int(trimmed)
+            log.debug("trimmed %d entries of %s:%s below %s", trimmed, stream, partition, floor)
+        return int(trimmed)

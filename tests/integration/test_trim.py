@@ -1,0 +1,263 @@
+"""Trimming tied to acknowledgements, the trim floor, and entries that vanish while pending.
+
+Real Redis (our own keys only) and both databases. A "Redis loss" deletes our stream key.
+"""
+
+from __future__ import annotations
+
+import pytest
+import redis
+from sqlalchemy import Engine, func, select
+
+from consumer import streams
+from consumer.daemon import Consumer
+from consumer.handlers import Handlers
+from producer import Producer
+from relay import entry_ids, store
+from relay.daemon import Relay
+from shared import keys
+from shared.schema import inbox, outbox
+from shared.settings import ConsumerSettings, RelaySettings
+from tests.conftest import REDIS_URL
+
+pytestmark = pytest.mark.integration
+
+STREAM = "things"
+
+
+def _settings(engine: Engine, prefix: str, **extra: object) -> RelaySettings:
+    values: dict[str, object] = {
+        "database_url": engine.url.render_as_string(hide_password=False),
+        "redis_url": REDIS_URL, "key_prefix": prefix, "partitions": 1, "node_id": "trim-test",
+        "stream_keep": 0, "stream_keep_s": 0, "batch_size": 1000,
+    }
+    values.update(extra)
+    return RelaySettings(**values)  # type: ignore[arg-type]
+
+
+def _enqueue(engine: Engine, prefix: str, first: int, count: int) -> None:
+    producer = Producer(source="trim-test", partitions=1, key_prefix=prefix)
+    with engine.begin() as conn:
+        for n in range(first, first + count):
+            producer.enqueue(conn, type="thing.done", stream=STREAM, data={"n": n},
+                             event_id=f"evt-{n:05d}")
+
+
+def _relay(engine: Engine, client: redis.Redis, prefix: str, **extra: object) -> Relay:
+    relay = Relay(_settings(engine, prefix, **extra), engine, client)
+    relay.run(until_idle=True)
+    return relay
+
+
+def _epoch(relay: Relay) -> int:
+    """Lease partition 0 again (``run`` gave the leases back when it returned)."""
+    relay._next_lease_check = 0.0
+    relay._refresh_leases()
+    return relay.leases[0]
+
+
+def _key(prefix: str) -> str:
+    return keys.stream_key(prefix, STREAM, 0)
+
+
+def _read_ack(client: redis.Redis, key: str, group: str, count: int, ack: bool = True) -> int:
+    """Read up to ``count`` new entries as ``group``; acknowledge them unless ``ack`` is False."""
+    got = 0
+    while got < count:
+        reply = client.xreadgroup(group, "c1", {key: ">"}, count=min(1000, count - got))
+        if not reply:
+            break
+        ids = [i for i, _ in reply[0][1]]
+        if ack:
+            client.xack(key, group, *ids)
+        got += len(ids)
+    return got
+
+
+def _ids(client: redis.Redis, key: str) -> list[str]:
+    return [i.decode() for i, _ in client.xrange(key)]
+
+
+def test_a_slow_group_keeps_what_it_has_not_acknowledged_and_the_stream_is_bounded_once_it_catches_up(  # noqa: E501
+    engine: Engine, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    total = 12_000
+    _enqueue(engine, key_prefix, 0, total)
+    key = _key(key_prefix)
+    for group in ("fast", "slow"):
+        redis_client.xgroup_create(key, group, id="0", mkstream=True)
+    relay = _relay(engine, redis_client, key_prefix)
+    everything = _ids(redis_client, key)
+    assert len(everything) == total
+    assert _read_ack(redis_client, key, "fast", total) == total
+    assert _read_ack(redis_client, key, "slow", 2_000) == 2_000  # 10,000 entries behind
+    assert _read_ack(redis_client, key, "slow", 50, ack=False) == 50  # and 50 pending
+
+    removed = relay.trimmer.trim(STREAM, 0, epoch=_epoch(relay))
+
+    # Only the 2,000 the slow group acknowledged may go: its 50 pending and 9,950 unread stay.
+    assert removed == 2_000
+    assert _ids(redis_client, key) == everything[2_000:]
+    assert store.trim_floor(engine, STREAM, 0) == f"{entry_ids.parse(everything[2_000])[0]}-0"
+
+    redis_client.xack(key, "slow", *everything[2_000:2_050])
+    assert _read_ack(redis_client, key, "slow", total) == total - 2_050
+    relay.trimmer.trim(STREAM, 0, epoch=_epoch(relay))
+    assert redis_client.xlen(key) == 0  # bounded: nothing anyone still needs, keep = 0
+    assert relay.trimmer.stats.trimmed_entries == total
+
+
+def test_trim_keeps_the_newest_entries_and_never_trims_a_stream_without_groups(
+    engine: Engine, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    _enqueue(engine, key_prefix, 0, 300)
+    relay = _relay(engine, redis_client, key_prefix, stream_keep=100)
+    key = _key(key_prefix)
+    assert relay.trimmer.trim(STREAM, 0, epoch=_epoch(relay)) == 0  # no group: no trim
+    assert redis_client.xlen(key) == 300
+    redis_client.xgroup_create(key, "g", id="0")
+    _read_ack(redis_client, key, "g", 300)
+    everything = _ids(redis_client, key)
+    relay.trimmer.trim(STREAM, 0, epoch=_epoch(relay))
+    # Whole milliseconds only: the newest 100 stay, plus the rest of the oldest kept one's ms.
+    kept = _ids(redis_client, key)
+    assert everything[-100:] == kept[-100:]
+    cut = entry_ids.parse(everything[-100])[0]
+    assert kept == [i for i in everything if entry_ids.parse(i)[0] >= cut]
+
+
+def test_the_periodic_trim_runs_in_the_relay_loop(
+    engine: Engine, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    _enqueue(engine, key_prefix, 0, 50)
+    key = _key(key_prefix)
+    redis_client.xgroup_create(key, "g", id="0", mkstream=True)
+    relay = _relay(engine, redis_client, key_prefix)
+    _read_ack(redis_client, key, "g", 50)
+    _enqueue(engine, key_prefix, 50, 1)
+    relay.periodic[0].next_at = 0.0  # due now
+    relay.run(until_idle=True)
+    assert redis_client.xlen(key) == 1  # the 50 acknowledged ones went; the new one stays
+    assert relay.trimmer.stats.trimmed_entries == 50
+
+
+def test_repair_after_a_redis_loss_refills_only_above_the_trim_floor(
+    engine: Engine, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    _enqueue(engine, key_prefix, 0, 60)
+    key = _key(key_prefix)
+    redis_client.xgroup_create(key, "g", id="0", mkstream=True)
+    relay = _relay(engine, redis_client, key_prefix)
+    _enqueue(engine, key_prefix, 60, 40)
+    relay.run(until_idle=True)  # a second batch: a later millisecond
+    everything = _ids(redis_client, key)
+    _read_ack(redis_client, key, "g", 60)
+    relay.trimmer.trim(STREAM, 0, epoch=_epoch(relay))
+    left = _ids(redis_client, key)
+    assert left == everything[60:]
+
+    redis_client.delete(key)  # Redis lost the stream
+    relay.repairer.check_soon()
+    relay.repairer.maybe_run({0: _epoch(relay)})
+
+    assert _ids(redis_client, key) == left  # the 40 unacknowledged ones, not the 60 trimmed
+    assert relay.repairer.stats.repaired_entries == 40
+
+
+def test_a_stream_trimmed_to_nothing_then_lost_takes_new_appends(
+    engine: Engine, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    _enqueue(engine, key_prefix, 0, 20)
+    key = _key(key_prefix)
+    redis_client.xgroup_create(key, "g", id="0", mkstream=True)
+    relay = _relay(engine, redis_client, key_prefix)
+    newest = _ids(redis_client, key)[-1]
+    _read_ack(redis_client, key, "g", 20)
+    relay.trimmer.trim(STREAM, 0, epoch=_epoch(relay))
+    assert redis_client.xlen(key) == 0
+    redis_client.delete(key)  # lost while empty: its top is gone too
+
+    _enqueue(engine, key_prefix, 20, 5)
+    relay.repairer.check_soon()
+    relay.run(until_idle=True)
+
+    ids = _ids(redis_client, key)
+    assert len(ids) == 5 and all(entry_ids.greater(i, newest) for i in ids)
+    with engine.connect() as conn:
+        undelivered = conn.execute(select(func.count()).select_from(outbox).where(
+            outbox.c.delivered_at_ms.is_(None))).scalar_one()
+    assert undelivered == 0
+
+
+def _consumer(engine: Engine, prefix: str, handlers: Handlers) -> Consumer:
+    settings = ConsumerSettings(
+        database_url=engine.url.render_as_string(hide_password=False), redis_url=REDIS_URL,
+        key_prefix=prefix, partitions=1, streams=STREAM, group="g", consumer="c1",
+        block_ms=10,
+    )
+    return Consumer(settings, engine, redis.Redis.from_url(REDIS_URL), handlers,
+                    ownership=True)
+
+
+def test_entries_trimmed_while_pending_get_a_lost_receipt_and_a_letter_never_a_silent_ack(
+    engine: Engine, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    _enqueue(engine, key_prefix, 0, 10)
+    key = _key(key_prefix)
+    handlers = Handlers()
+    handlers.on("thing.done")(lambda conn, event: None)
+    consumer = _consumer(engine, key_prefix, handlers)
+    consumer.run_once(block_ms=10)  # creates the group
+    _relay(engine, redis_client, key_prefix)
+    everything = _ids(redis_client, key)
+    # Delivered to our consumer but not handled yet (as if it crashed before the claim)...
+    assert len(redis_client.xreadgroup("g", "c1", {key: ">"}, count=4)[0][1]) == 4
+    # ...then an operator's blind trim removes those 4 (and 2 more nobody read).
+    redis_client.xtrim(key, minid=everything[6], approximate=False)
+
+    consumer._pass_due = True
+    consumer.run_once(block_ms=10)
+
+    assert streams.group_pending(redis_client, [key], "g")[key] == 0
+    with engine.connect() as conn:
+        receipts = dict(conn.execute(
+            select(inbox.c.event_id, inbox.c.outcome).where(inbox.c.group_name == "g")).all())
+    assert {i for i, o in receipts.items() if o == "lost"} == {f"evt-{n:05d}" for n in range(4)}
+    assert {i for i, o in receipts.items() if o == "applied"} == {
+        f"evt-{n:05d}" for n in range(6, 10)}
+    letters = redis_client.xrange(keys.dead_letter_key(key_prefix, STREAM, 0))
+    assert sorted(f[b"id"].decode() for _, f in letters) == [f"evt-{n:05d}" for n in range(4)]
+    assert {f[b"dlq.reason"] for _, f in letters} == {b"lost"}
+    assert all(b"data" in f and b"type" in f for _, f in letters)  # what the outbox knows
+    assert consumer.stats.lost == 4
+    # The 2 trimmed before anyone read them were never delivered to the group: Redis cannot
+    # tell anyone about them; the relay's trim never does this (it keeps unread entries).
+
+
+def test_a_vanished_entry_that_was_already_handled_is_just_acknowledged(
+    engine: Engine, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    _enqueue(engine, key_prefix, 0, 3)
+    key = _key(key_prefix)
+    handlers = Handlers()
+    handlers.on("thing.done")(lambda conn, event: None)
+    consumer = _consumer(engine, key_prefix, handlers)
+    consumer.run_once(block_ms=10)
+    _relay(engine, redis_client, key_prefix)
+    consumer.run_once(block_ms=10)  # applied and acked
+    redis_client.xreadgroup("g", "c1", {key: "0"})  # nothing pending: a no-op read
+    # Make entry 0 pending again as if the ACK had been lost after the claim committed.
+    first = _ids(redis_client, key)[0]
+    redis_client.xclaim(key, "g", "c1", 0, [first], force=True, justid=True)
+    redis_client.xdel(key, first)
+
+    consumer._pass_due = True
+    consumer.run_once(block_ms=10)
+
+    assert streams.group_pending(redis_client, [key], "g")[key] == 0
+    assert consumer.stats.lost == 0
+    assert redis_client.xlen(keys.dead_letter_key(key_prefix, STREAM, 0)) == 0
+    with engine.connect() as conn:
+        outcomes = conn.execute(select(inbox.c.outcome).where(
+            inbox.c.group_name == "g")).scalars().all()
+    assert sorted(outcomes) == ["applied"] * 3
