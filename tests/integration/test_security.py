@@ -232,6 +232,21 @@ def run_relay(engine: Engine, url: str, prefix: str, *, repairs: int = 0) -> Non
     assert relay.repairer.stats.repaired_entries == repairs
 
 
+def run_trim(engine: Engine, url: str, prefix: str) -> None:
+    """Trim both partition streams below what the group acknowledged (keep nothing)."""
+    settings = RelaySettings(redis_url=url, key_prefix=prefix, partitions=2, node_id="sec-relay",
+                             stream_keep=0, stream_keep_s=0)
+    client = connect_redis(url)
+    relay = Relay(settings, engine, client)
+    relay._refresh_leases()
+    relay.repairer.maybe_run(relay.leases)  # learns the streams
+    trimmed = relay.trimmer.run(relay.leases, relay.repairer.streams)
+    relay._release()
+    client.close()
+    assert relay.trimmer.stats.trim_errors == 0
+    assert trimmed >= N_EVENTS  # everything the group acknowledged
+
+
 def run_consumer(engine: Engine, url: str, prefix: str, flaky_id: str) -> None:
     settings = ConsumerSettings(redis_url=url, key_prefix=prefix, partitions=2, streams="sec",
                                 group="sec", consumer="c1", block_ms=1, claim_idle_ms=100,
@@ -307,6 +322,8 @@ def pipeline_through_acl(
     admin.xadd(keys.stream_key(prefix, "sec", 1), late)  # type: ignore[arg-type]
     run_consumer(engine, phase("consumer"), prefix, event_ids[0])
     check("consumer")
+    run_trim(engine, phase("relay"), prefix)
+    check("relay")
     run_operator(engine, phase("operator"), prefix)
     check("operator")
     return used
@@ -323,7 +340,7 @@ def test_pipeline_through_minimal_acl_users(private_redis: PrivateRedis, engine:
     used = pipeline_through_acl(private_redis, engine, tls=False)
     print(f"\ncommands used per role: {used}")
     # what each role needs in a normal run (repair's rebuild and PING only run when needed)
-    assert used["relay"] >= {"xadd", "exists", "xinfo|stream"}
+    assert used["relay"] >= {"xadd", "exists", "xinfo|stream", "xtrim", "xinfo|groups"}
     assert used["consumer"] >= {"xgroup|create", "xreadgroup", "xpending", "xack", "xadd"}
     assert used["operator"] >= {"scan", "type", "xinfo|groups", "xlen", "xrange", "xdel"}
 
