@@ -11,7 +11,7 @@ from consumer import ownership
 from shared import keys
 from shared.db import now_ms, translate_errors
 from shared.redis_conn import translate_redis_errors
-from shared.schema import outbox, relay_leases
+from shared.schema import outbox, relay_leases, stream_trims
 
 
 def collect(engine: Engine, client: redis.Redis, prefix: str) -> dict[str, Any]:
@@ -35,8 +35,13 @@ def collect(engine: Engine, client: redis.Redis, prefix: str) -> dict[str, Any]:
                 .group_by(outbox.c.last_error)
             ).all()
         }
+        trims = {(r.stream, r.partition): r for r in conn.execute(select(stream_trims)).all()}
     consumer_leases = ownership.owners(engine)
     streams = _streams(client, prefix)
+    for st in streams:  # relay/trim.py: everything below the floor was acknowledged and trimmed
+        trim = trims.get((st["stream"], st["partition"]))
+        st["trim_floor"] = trim.floor_entry_id if trim else None
+        st["trimmed"] = trim.trimmed if trim else 0
     owner_of = {(o["group"], o["stream"], o["partition"]): o for o in consumer_leases}
     for st in streams:
         for g in st["groups"]:
@@ -114,10 +119,12 @@ def render(report: dict[str, Any]) -> str:
     ]
     for code, count in sorted(o["errors"].items()):
         lines.append(f"  last error {code}: {count} rows")
-    lines.append(f"{'stream key':<32} {'length':>8} {'dead':>6}  groups (pending/lag)")
+    lines.append(f"{'stream key':<32} {'length':>8} {'trimmed':>8} {'dead':>6}  "
+                 "groups (pending/lag)")
     for s in report["streams"]:
         groups = ", ".join(f"{g['name']} ({g['pending']}/{g['lag']})" for g in s["groups"]) or "-"
-        lines.append(f"{s['key']:<32} {s['length']:>8} {s['dead_letters']:>6}  {groups}")
+        lines.append(f"{s['key']:<32} {s['length']:>8} {s.get('trimmed', 0):>8} "
+                     f"{s['dead_letters']:>6}  {groups}")
     if not report["streams"]:
         lines.append("(no streams yet)")
     relays = report.get("relay_leases") or []

@@ -9,6 +9,7 @@ import pytest
 import redis
 from sqlalchemy import Engine, func, select
 
+from cli import status
 from consumer import streams
 from consumer.daemon import Consumer
 from consumer.handlers import Handlers
@@ -105,6 +106,10 @@ def test_a_slow_group_keeps_what_it_has_not_acknowledged_and_the_stream_is_bound
     relay.trimmer.trim(STREAM, 0, epoch=_epoch(relay))
     assert redis_client.xlen(key) == 0  # bounded: nothing anyone still needs, keep = 0
     assert relay.trimmer.stats.trimmed_entries == total
+    report = status.collect(engine, redis_client, key_prefix)  # `outbox status` shows it
+    [shown] = [st for st in report["streams"] if st["key"] == key]
+    assert (shown["length"], shown["trimmed"]) == (0, total)
+    assert shown["trim_floor"] == store.trim_floor(engine, STREAM, 0)
 
 
 def test_trim_keeps_the_newest_entries_and_never_trims_a_stream_without_groups(
