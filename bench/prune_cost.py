@@ -249,6 +249,11 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {"events": args.events, "old": args.old, "runs": args.runs}
     if prune_reps:
         result["prune"] = summarize(prune_reps, "none", "events_per_s")
+        shares = [rep["in_loop"]["loop_share"] for rep in prune_reps]
+        result["prune"]["in_loop"]["loop_share"] = {
+            "median": statistics.median(shares), "min": min(shares), "max": max(shares)}
+        outlasted = [rep["concurrent"]["pruner_outlasted_drain"] for rep in prune_reps]
+        result["prune"]["concurrent"]["pruner_outlasted_drain"] = sum(outlasted)
     if index_reps:
         result["index"] = summarize(index_reps, "no_index", "ms_per_settle")
     print(json.dumps(result))

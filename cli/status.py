@@ -40,7 +40,7 @@ def collect(engine: Engine, client: redis.Redis, prefix: str) -> dict[str, Any]:
     streams = _streams(client, prefix)
     for st in streams:  # relay/trim.py: everything below the floor was acknowledged and trimmed
         trim = trims.get((st["stream"], st["partition"]))
-        st["trim_floor"] = trim.floor_entry_id if trim else None
+        st["trim_floor"] = trim.floor_entry_id if trim and trim.trimmed else None
         st["trimmed"] = trim.trimmed if trim else 0
     owner_of = {(o["group"], o["stream"], o["partition"]): o for o in consumer_leases}
     for st in streams:

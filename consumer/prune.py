@@ -15,8 +15,9 @@ so a receipt is pruned only when its event cannot come back and nobody needs its
     the receipt goes at a later pass.
 (b) **Only when the event cannot come back.** Besides its age (``created_at_ms`` older than
     ``retention_inbox`` by the database's clock): if the database has a trim floor for the
-    receipt's partition stream (``outbox_stream_trims``, written by the relay before it trims
-    on purpose), the receipt's entry id must be below that floor (ids compared as numbers: ms,
+    receipt's partition stream (``outbox_stream_trims``, raised by the relay after each trim;
+    a row at ``0-0`` means never trimmed and counts as no floor), the receipt's entry id
+    must be below that floor (ids compared as numbers: ms,
     then seq), i.e. the entry is gone from the stream and a repair never refills it. A receipt
     at or above the floor, or whose entry id does not parse, is kept. Without a trim row (the
     inbox in another database than the outbox, or trimming off) age alone decides: the settings
@@ -104,6 +105,8 @@ class InboxPruner:
     Old receipts that must stay (a) or (b) are stepped over by a cursor
     ``(created_at_ms, group_name, event_id)`` kept between passes, so a pile of kept receipts
     never stalls the pass; the cursor starts over once a scan reaches the newest old receipt.
+    A pass that stopped at its bound asks to be run again soon (``more``) only if it deleted
+    something, so a pile of receipts that must stay is read at the normal interval.
     """
 
     def __init__(
@@ -143,7 +146,7 @@ class InboxPruner:
         if dry_run:
             self._cursor = None
         letters: dict[str, _Letters] = {}  # read once per pass and dead-letter stream
-        done = 0
+        done = deleted = 0
         while max_batches is None or done < max_batches:
             rows = self._candidates(cutoff)
             done += 1
@@ -158,10 +161,13 @@ class InboxPruner:
                     out.kept_letter += 1
                 else:
                     chosen.append((r.group_name, r.event_id))
-            out.receipts += len(chosen) if dry_run else self._delete_receipts(chosen, cutoff)
+            deleted += len(chosen) if dry_run else self._delete_receipts(chosen, cutoff)
             if not full:
-                return
-        out.more = True
+                break
+        out.receipts += deleted
+        # Soon again only if this pass deleted something: a pass that met only receipts that
+        # must stay goes on from its cursor at the next interval, not in a tight loop.
+        out.more = self._cursor is not None and deleted > 0
 
     def _candidates(self, cutoff: int) -> list[Any]:
         """The next ``batch`` receipts older than ``cutoff`` after the cursor, oldest first."""
@@ -285,7 +291,8 @@ def _floors(conn: Connection) -> dict[tuple[str, int], tuple[int, int]]:
     """Every trim floor, parsed; a floor that does not parse protects nothing below ``0-0``."""
     rows = conn.execute(select(stream_trims.c.stream, stream_trims.c.partition,
                                stream_trims.c.floor_entry_id))
-    return {(s, p): entry_key(f) or (0, 0) for s, p, f in rows}
+    parsed = {(s, p): entry_key(f) or (0, 0) for s, p, f in rows}
+    return {k: v for k, v in parsed.items() if v != (0, 0)}  # 0-0: known, never trimmed
 
 
 def _below_floor(

@@ -87,6 +87,7 @@ class Relay:
         self.metrics: RelayMetrics | None = None
         self.last_loop = self.leases_tried_at = time.monotonic()
         self.trimmer = trim.Trimmer(settings, engine, client)
+        self._streams_seen: set[tuple[str, int]] = set()  # delivered to by this process
         self.prune_stats: PruneStats | None = None  # set by cli/prune.py (retention task)
         # Housekeeping between rounds (trimming, retention): see shared/periodic.py.
         self.periodic: list[Periodic] = [
@@ -303,13 +304,17 @@ class Relay:
         (``inflight``: the batch appended meanwhile). A batch that did not land whole drops
         every recorded batch (the one claimed after it was never appended)."""
         s = self.settings
+        new_streams = {(r.stream, r.partition) for r in rows} - self._streams_seen
         claimed = store.settle(
             self.engine, partition, self.node_id, epoch, s.lease_ttl_ms, now_ms(),
             delivered=verdicts.delivered, gaps=verdicts.gaps, failed=verdicts.failed,
             stream_top=verdicts.stream_top, claim_after=claim_after, batch_size=s.batch_size,
             inflight=[r.seq for r in inflight or ()], drop_recorded=not verdicts.complete,
+            register=new_streams if verdicts.delivered else set(),
         )
         faults.point("relay.after_mark")
+        if verdicts.delivered:
+            self._streams_seen |= new_streams
         self.stats.delivered += len(verdicts.delivered)
         self.stats.already_present += verdicts.already
         self.stats.ordering_gaps += len(verdicts.gaps)

@@ -234,8 +234,8 @@ class Repairer:
         self.floors: dict[str, str] = {}
         self._next_check = 0.0
         self._checked: dict[int, int] = {}
-        # (stream, partition) of every stream the last check found in the outbox: the
-        # streams the relay trims (relay/trim.py).
+        # (stream, partition) of every known stream of our partitions at the last check (the
+        # settles register them: outbox_stream_trims): the streams the relay trims.
         self.streams: set[tuple[str, int]] = set()
 
     def check_soon(self) -> None:

@@ -308,6 +308,7 @@ def settle(
     batch_size: int = 0,
     inflight: Sequence[int] = (),
     drop_recorded: bool = False,
+    register: set[tuple[str, int]] | None = None,
 ) -> list[OutboxRow]:
     """Record what Redis said, in one transaction, only while our epoch is current.
 
@@ -323,6 +324,10 @@ def settle(
     forgets every recorded batch: the relay does so when a batch did not land whole, with the
     next batch claimed but never appended (its ids were never used; its rows, like the ones
     left behind, are claimed again in seq order under new ids).
+
+    ``register``: ``(stream, partition)`` pairs this relay process has not delivered to before;
+    they are made known (:func:`register_streams`) with the mark, so no delivered row's stream
+    is ever unknown to repair checks and trims, whatever crashes.
     """
     settled = [s for s, _ in delivered] + gaps + [s for s, _ in failed]
     with translate_errors(), engine.begin() as conn:
@@ -334,6 +339,8 @@ def settle(
             last = stream_top
         if delivered:
             _mark_delivered(conn, partition, delivered, now)
+            if register:
+                _register(conn, register, now)
         if gaps:
             conn.execute(
                 update(outbox)
@@ -372,36 +379,47 @@ def record_unknown(engine: Engine, partition: int, seqs: list[int], code: str) -
 
 
 def delivered_counts(engine: Engine, partitions: list[int]) -> dict[tuple[str, int], int]:
-    """``{(stream, partition): delivered rows at or above its trim floor}`` for the given
-    partitions (one grouped scan): what the stream should hold, or have held (rows below the
-    floor were trimmed on purpose, relay/trim.py). A stream with only a floor counts 0."""
+    """``{(stream, partition): delivered rows at or above its trim floor}`` for the known
+    streams (:func:`register_streams`) of the given partitions: what the stream should hold,
+    or have held (rows below the floor were trimmed on purpose, relay/trim.py).
+
+    One index range per stream (``ix_outbox_events_stream_entry``, entry ids at or above the
+    floor), so the cost follows what the streams hold, not the whole outbox history.
+    """
     if not partitions:
         return {}
-    floor = stream_trims.c.floor_entry_id
-    joined = outbox.outerjoin(
-        stream_trims,
-        (stream_trims.c.stream == outbox.c.stream)
-        & (stream_trims.c.partition == outbox.c.partition),
+    joined = stream_trims.outerjoin(
+        outbox,
+        (outbox.c.stream == stream_trims.c.stream)
+        & (outbox.c.partition == stream_trims.c.partition)
+        & (outbox.c.entry_id >= stream_trims.c.floor_entry_id)
+        & outbox.c.delivered_at_ms.is_not(None),
     )
     with translate_errors(), engine.connect() as conn:
         rows = conn.execute(
-            select(outbox.c.stream, outbox.c.partition, func.count())
+            select(stream_trims.c.stream, stream_trims.c.partition, func.count(outbox.c.seq))
             .select_from(joined)
-            .where(
-                outbox.c.partition.in_(partitions),
-                outbox.c.delivered_at_ms.is_not(None),
-                or_(floor.is_(None), outbox.c.entry_id >= floor),
-            )
-            .group_by(outbox.c.stream, outbox.c.partition)
-        ).all()
-        floors = conn.execute(
-            select(stream_trims.c.stream, stream_trims.c.partition)
             .where(stream_trims.c.partition.in_(partitions))
+            .group_by(stream_trims.c.stream, stream_trims.c.partition)
         ).all()
-    counts = {(stream, partition): int(n) for stream, partition, n in rows}
-    for stream, partition in floors:
-        counts.setdefault((stream, partition), 0)
-    return counts
+    return {(stream, partition): int(n) for stream, partition, n in rows}
+
+
+def register_streams(engine: Engine, pairs: set[tuple[str, int]], now: int) -> None:
+    """Make ``(stream, partition)`` pairs known (a trim row at floor ``0-0`` if none exists),
+    so repair checks and trims find them without scanning the outbox."""
+    if not pairs:
+        return
+    with translate_errors(), engine.begin() as conn:
+        _register(conn, pairs, now)
+
+
+def _register(conn: Connection, pairs: set[tuple[str, int]], now: int) -> None:
+    conn.execute(
+        _upsert(conn)(stream_trims).on_conflict_do_nothing(),
+        [{"stream": s, "partition": p, "floor_entry_id": entry_ids.ZERO, "trimmed": 0,
+          "updated_at_ms": now} for s, p in sorted(pairs)],
+    )
 
 
 def trim_floor(engine: Engine, stream: str, partition: int) -> str:

@@ -1,5 +1,7 @@
 """``python -m torture [--database sqlite|postgresql|both] [--duration S] [--kills N]
-[--quick] [--run-worker]``: run the harness, print the table, write the JSON report."""
+[--quick] [--run-worker] [--no-retention]``: run the harness, print the table, write the JSON
+report. ``python -m torture --soak [--quick] [--duration S] [--rate N]``: the soak instead
+(:mod:`torture.soak`)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import random
 import sys
 from typing import Any
 
+from torture import soak
 from torture.harness import parse_args, run_one
 
 COLUMNS = (
@@ -21,6 +24,8 @@ COLUMNS = (
     ("out_of_order", "out of order"), ("skipped", "skipped"),
     ("superseded_latest", "superseded"),
     ("repaired_entries", "repaired"), ("undelivered", "undelivered"), ("pending", "pending"),
+    ("rows_pruned", "rows pruned"), ("receipts_pruned", "receipts pruned"),
+    ("entries_trimmed", "trimmed"),
 )
 
 
@@ -37,15 +42,33 @@ def render(reports: list[dict[str, Any]]) -> str:
         lines += [f"  {name:<28} {n:>6}" for name, n in r["infra_faults"].items()]
         lines += [f"  exit.unavailable.{kind:<11} {n:>6}"
                   for kind, n in r.get("unavailable_exits", {}).items()]
+        lines.append(retention_line(r))
         verdict = "OK" if not r["violations"] else "VIOLATIONS: " + ", ".join(r["violations"])
         lines.append(f"  verdict: {verdict}")
     return "\n".join(lines)
+
+
+def retention_line(r: dict[str, Any]) -> str:
+    """What retention removed during one run, from the ledger next to the tables."""
+    x = r["retention"]
+    on = x["settings"].get("OUTBOX_STREAM_TRIM") == "true"
+    return (
+        f"  retention {'on' if on else 'off'}: outbox rows {x['outbox_rows_pruned']} of "
+        f"{x['ledger_events']} pruned ({x['outbox_rows']} left); receipts "
+        f"{x['receipts_pruned']} of {x['ledger_receipts']} pruned ({x['inbox_receipts']} left);"
+        f" heads {x['heads_pruned']} pruned ({x['inbox_heads']} left); stream entries "
+        f"{x['trimmed_recorded']} trimmed by the relay's count, {r['entries_trimmed']} events "
+        f"below the floors ({x['trim_floors']} floors), {x['stream_entries']} entries left; "
+        f"consumers {x['consumers']}; redeliveries {r['redeliveries']}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s",
                         stream=sys.stderr)
+    if args.soak:
+        return soak.main(args)
     seed = args.seed if args.seed is not None else random.randrange(2**31)
     kinds = ["sqlite", "postgresql"] if args.database == "both" else [args.database]
     reports = [run_one(kind, args, seed) for kind in kinds]

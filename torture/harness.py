@@ -6,6 +6,14 @@ aggregates, :mod:`torture.load`), 2 relays, 2 consumers of one group and (with `
 2 run workers as separate processes; kill them at random and at every fault
 point, break Redis and the database on a schedule; then let everything settle, check
 (:mod:`torture.check`), print a table and write JSON. Exit status 1 on any violation.
+
+Retention runs during the whole torture unless ``--no-retention``: :data:`AGGRESSIVE` trims
+every stream down to what some group still needs each second and prunes delivered rows after
+20 s and receipts after 30 s, so pruning and trimming delete while daemons die around them.
+The verdict then reads the torture's ledger (:mod:`torture.ledger`, installed right after the
+migrations) instead of what the daemons prune, and the report shows what retention removed.
+
+``--soak`` runs :mod:`torture.soak` instead (no faults, a steady rate, sizes sampled).
 """
 
 from __future__ import annotations
@@ -25,8 +33,9 @@ from typing import Any
 from sqlalchemy import Engine, create_engine, func, select, text
 
 from shared import db, keys
-from shared.schema import inbox, outbox, runs
-from torture import app, check
+from shared.schema import outbox, runs
+from shared.settings import parse_duration
+from torture import app, check, ledger
 from torture.chaos import Chaos, Plan, terminate_backends_by_app_name
 from torture.procs import Child, RedisServer, base_env, outbox_argv
 
@@ -40,17 +49,39 @@ OUT = Path(__file__).with_name("out") / "report.json"
 WORKER_GROUP = "workers"
 RUNS_STREAM = "runs"
 
+# Retention as hard as the settings allow (inbox >= delivered + keep_s): every stream trimmed
+# each second down to what some group has not acknowledged, delivered rows pruned after 20 s,
+# receipts and heads after 30 s, idle consumers removed after 30 s.
+AGGRESSIVE = {
+    "OUTBOX_STREAM_TRIM": "true", "OUTBOX_STREAM_KEEP": "0", "OUTBOX_STREAM_KEEP_S": "0",
+    "OUTBOX_TRIM_INTERVAL_S": "1", "OUTBOX_RETENTION_DELIVERED": "20s",
+    "OUTBOX_RETENTION_INBOX": "30s", "OUTBOX_PRUNE_INTERVAL_S": "2",
+    "OUTBOX_CONSUMER_IDLE_S": "30s",
+}
+DEFAULTS: dict[str, dict[str, float]] = {
+    "torture": {"duration": 300.0, "rate": 80.0},
+    "soak": {"duration": 1800.0, "rate": 1000.0, "sample_every": 30.0},
+    "soak_quick": {"duration": 90.0, "rate": 300.0, "sample_every": 5.0},
+}
+RETENTION_OFF = {
+    "OUTBOX_STREAM_TRIM": "false", "OUTBOX_RETENTION_DELIVERED": "off",
+    "OUTBOX_RETENTION_INBOX": "off", "OUTBOX_CONSUMER_IDLE_S": "off",
+    "OUTBOX_RETENTION_DEAD_LETTERS": "off",
+}
+
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m torture", description=__doc__.splitlines()[0])
     p.add_argument("--database", choices=("sqlite", "postgresql", "both"), default="both")
-    p.add_argument("--duration", type=float, default=300.0,
-                   help="least seconds of faults per database (default 300)")
+    p.add_argument("--duration", type=float, default=None,
+                   help="least seconds of faults per database (default 300; soak: seconds of "
+                   "load, default 1800, --quick 90)")
     p.add_argument("--kills", type=int, default=1000,
                    help="least process kills per database (default 1000)")
     p.add_argument("--max-duration", type=float, default=3600.0,
                    help="hard cap on seconds of faults per database (default 3600)")
-    p.add_argument("--rate", type=float, default=80.0, help="events per second (default 80)")
+    p.add_argument("--rate", type=float, default=None,
+                   help="events per second (default 80; soak: 1000, --quick 300)")
     p.add_argument("--writers", type=int, default=3,
                    help="producer threads writing the same aggregates (default 3)")
     p.add_argument("--hold-ms", type=int, default=50,
@@ -63,15 +94,42 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--keep", action="store_true", help="keep the work directory and PG schema")
     p.add_argument("--run-worker", action="store_true",
                    help="also run 2 run workers (cli.demo_app) and require every run terminal")
-    return p.parse_args(argv)
+    p.add_argument("--no-retention", dest="retention", action="store_false",
+                   help="run without stream trimming and pruning (default: aggressive "
+                   "retention, see AGGRESSIVE)")
+    p.add_argument("--soak", action="store_true",
+                   help="soak instead of torture: no faults, a steady --rate for --duration "
+                   "seconds, table sizes and stream lengths sampled (torture/soak.py)")
+    p.add_argument("--sample-every", type=float, default=None,
+                   help="soak: seconds between samples (default 30, --quick 5)")
+    args = p.parse_args(argv)
+    mode = ("soak_quick" if args.quick else "soak") if args.soak else "torture"
+    for name, value in DEFAULTS[mode].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    return args
+
+
+def retention_env(on: bool) -> dict[str, str]:
+    """The daemons' retention settings for a torture run."""
+    return dict(AGGRESSIVE if on else RETENTION_OFF)
+
+
+def retention_of(env: dict[str, str]) -> check.Retention:
+    """The ages the verdict holds pruning to, from the daemons' settings."""
+    return check.Retention(
+        delivered_s=parse_duration(env.get("OUTBOX_RETENTION_DELIVERED", "off")),
+        inbox_s=parse_duration(env.get("OUTBOX_RETENTION_INBOX", "off")),
+    )
 
 
 def make_plan(args: argparse.Namespace) -> Plan:
     """The fault plan. The producer's rate is per enqueued event (about ``--rate`` calls a
     second): at 0.004 it dies every few seconds, and lives long enough between deaths for its
-    writer threads to collide on shared aggregates."""
+    writer threads to collide on shared aggregates. With retention, a quick run lasts 45 s so
+    that receipts outlive the 30 s inbox retention and are pruned while the faults go on."""
     if args.quick:
-        return Plan(duration_s=25, kills=0, max_s=100,
+        return Plan(duration_s=45 if args.retention else 25, kills=0, max_s=120,
                     rates={"relay": 0.5, "consumer": 0.5, "producer": 0.004, "worker": 0.3},
                     random_kill_every_s=2.5, broker_every_s=7.0, db_every_s=6.0,
                     unarmed_share=0.0)
@@ -132,7 +190,7 @@ def children(env: dict[str, str], log_dir: Path, seed: int, workers: bool) -> li
 
 
 def runs_open(engine: Engine, workers: bool) -> int:
-    """Runs not yet terminal, plus run events the workers' group has no receipt for (0
+    """Runs not yet terminal, plus run events the workers' group never had a receipt for (0
     without run workers: nothing would finish them)."""
     if not workers:
         return 0
@@ -140,31 +198,35 @@ def runs_open(engine: Engine, workers: bool) -> int:
         active = conn.execute(
             select(func.count()).where(runs.c.status.not_in(check.TERMINAL))
         ).scalar_one()
-        run_events = conn.execute(
-            select(func.count()).where(outbox.c.stream == RUNS_STREAM)
-        ).scalar_one()
-        receipts = conn.execute(
-            select(func.count()).where(inbox.c.group_name == WORKER_GROUP)
-        ).scalar_one()
-    return int(active) + max(int(run_events) - int(receipts), 0)
+    return int(active) + ledger.unreceived(engine, WORKER_GROUP, RUNS_STREAM)
 
 
-def settled(engine: Engine, server: RedisServer, prefix: str, workers: bool) -> bool:
-    """Nothing undelivered, every event received by the group, nothing pending or unread."""
+def settled(engine: Engine, server: RedisServer, prefix: str, workers: bool,
+            streams: tuple[str, ...] = STREAMS) -> bool:
+    """Nothing undelivered, every event of the ledger received by the group (pruned receipts
+    count), nothing pending or unread."""
     with engine.connect() as conn:
         undelivered = conn.execute(
             select(func.count()).where(outbox.c.delivered_at_ms.is_(None))
         ).scalar_one()
-        events = conn.execute(select(func.count()).select_from(outbox)).scalar_one()
-        receipts = conn.execute(
-            select(func.count()).where(inbox.c.group_name == GROUP)
-        ).scalar_one()
-    if undelivered or receipts < events or runs_open(engine, workers):
+    if undelivered or ledger.unreceived(engine, GROUP) or runs_open(engine, workers):
         return False
     client = server.client()
-    stream_keys = [keys.stream_key(prefix, s, p) for s in STREAMS for p in range(PARTITIONS)]
+    stream_keys = [keys.stream_key(prefix, s, p) for s in streams for p in range(PARTITIONS)]
     return not any(check.pending_total(client, k) or check.lag_total(client, k)
                    for k in stream_keys)
+
+
+def retention_report(engine: Engine, client: Any, prefix: str,
+                     streams: tuple[str, ...] = STREAMS) -> dict[str, Any]:
+    """What retention removed (the ledger next to the tables, the trim floors' counts) and
+    what Redis holds now."""
+    stream_keys = [keys.stream_key(prefix, s, p) for s in streams for p in range(PARTITIONS)]
+    return {
+        **ledger.sizes(engine),
+        "stream_entries": sum(int(client.xlen(k)) for k in stream_keys),
+        "consumers": check.consumers_per_group(client, stream_keys),
+    }
 
 
 def run_one(kind: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
@@ -181,11 +243,13 @@ def run_one(kind: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
             engine = db.make_engine(url.replace("application_name=outbox-", "application_name=h-"))
             db.upgrade(engine)
             app.create_tables(engine)
+            ledger.install(engine)
             prefix = f"torture{tag}"
             env = {**base_env(), "OUTBOX_DATABASE_URL": url, "OUTBOX_REDIS_URL": server.url,
                    "OUTBOX_KEY_PREFIX": prefix, "OUTBOX_PARTITIONS": str(PARTITIONS),
                    "OUTBOX_LOG_LEVEL": "WARNING", "TORTURE_RATE": str(args.rate),
-                   "TORTURE_WRITERS": str(args.writers), "TORTURE_HOLD_MS": str(args.hold_ms)}
+                   "TORTURE_WRITERS": str(args.writers), "TORTURE_HOLD_MS": str(args.hold_ms),
+                   **retention_env(args.retention)}
             kids = children(env, workdir / "logs", seed, args.run_worker)
             terminate = None
             if kind == "postgresql":
@@ -200,7 +264,9 @@ def run_one(kind: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
                                args.run_worker)
             verdict = check.verify(engine, server.client(), prefix, [GROUP],
                                    check_runs=args.run_worker,
-                                   worker_group=WORKER_GROUP if args.run_worker else None)
+                                   worker_group=WORKER_GROUP if args.run_worker else None,
+                                   retention=retention_of(env))
+            retained = retention_report(engine, server.client(), prefix)
             engine.dispose()
     finally:
         for child in kids:
@@ -224,6 +290,7 @@ def run_one(kind: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
         "infra_faults": dict(sorted(tally.faults.items())), "repaired_entries": repaired,
         "handler_failures": handler_failures,
         "unavailable_exits": dict(sorted(tally.unavailable_exits.items())),
+        "retention": {"settings": retention_env(args.retention), **retained},
         **verdict.as_dict(), "violations": violations,
     }
     if not args.keep and not violations:

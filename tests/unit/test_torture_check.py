@@ -1,12 +1,15 @@
 """The torture's verdict (:mod:`torture.check`) on hand-made data: each rule can fail.
 
-A SQLite file holds the outbox rows, receipts and effect rows; fakeredis holds the stream.
-A clean world passes; each test then breaks exactly one promise and expects its counter.
+A SQLite file holds the outbox rows, receipts and effect rows, with the torture's ledger
+triggers installed (:mod:`torture.ledger`) so that pruning a row by hand is seen as the daemons'
+pruning is; fakeredis holds the stream. A clean world passes; each test then breaks exactly one
+promise (or prunes/trims something on purpose) and expects its counters. The last test runs the
+ledger's triggers on both databases.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -14,11 +17,12 @@ from typing import Any
 
 import fakeredis
 import pytest
-from sqlalchemy import Engine
+from sqlalchemy import Engine, select, update
 
 from shared import db, keys
-from shared.schema import inbox, outbox
-from torture import app, check
+from shared.db import now_ms
+from shared.schema import inbox, inbox_heads, outbox, stream_trims
+from torture import app, check, ledger
 
 PREFIX = "tc"
 GROUP = "torture"
@@ -34,44 +38,59 @@ EVENTS = [
     ("evt-1", "torture.event", None, None, None),
 ]
 C1, N1, T1, C2, T2, PLAIN = (e[0] for e in EVENTS)
+ORDER = [e[0] for e in EVENTS]
 
 
 @dataclass
 class World:
-    """The database and the stream the checker reads, written by hand."""
+    """The database and the stream the checker reads, written by hand. Each event is marked
+    delivered under the entry id ``<100 + i>-<i + 1>``, ``i`` its place in the stream order."""
 
     engine: Engine
     client: Any
     events: dict[str, tuple[Any, ...]] = field(default_factory=dict)
+    entry_ids: dict[str, str] = field(default_factory=dict)
 
     def event(self, event_id: str, type_: str, agg_type: str | None, agg_id: str | None,
-              revision: int | None) -> None:
+              revision: int | None, *, entry_id: str | None = None,
+              delivered_at_ms: int = 2) -> None:
+        """Enqueue the event, then (with ``entry_id``) mark it delivered under that id."""
         self.events[event_id] = (event_id, type_, agg_type, agg_id, revision)
         with self.engine.begin() as conn:
             conn.execute(outbox.insert().values(
                 event_id=event_id, stream="events", partition=0, type=type_,
                 aggregate_type=agg_type, aggregate_id=agg_id, revision=revision,
                 source="test", payload="null", headers="{}", created_at_ms=1,
-                available_at_ms=1, delivered_at_ms=2,
+                available_at_ms=1,
             ))
+        if entry_id is not None:
+            self.mark(event_id, entry_id, delivered_at_ms)
 
-    def entry(self, event_id: str) -> None:
+    def mark(self, event_id: str, entry_id: str, delivered_at_ms: int = 2) -> None:
+        self.entry_ids[event_id] = entry_id
+        with self.engine.begin() as conn:
+            conn.execute(update(outbox).where(outbox.c.event_id == event_id).values(
+                entry_id=entry_id, delivered_at_ms=delivered_at_ms))
+
+    def entry(self, event_id: str, entry_id: str | None = None) -> None:
+        """XADD the event under its marked entry id (or ``entry_id``: a stray copy)."""
         _, type_, agg_type, agg_id, revision = self.events[event_id]
         fields = {"id": event_id, "type": type_}
         if agg_id is not None:
             fields |= {"aggregatetype": agg_type, "aggregateid": agg_id,
                        "revision": str(revision)}
-        self.client.xadd(KEY, fields)
+        self.client.xadd(KEY, fields, id=entry_id or self.entry_ids[event_id])
 
     def receipt(self, event_id: str, outcome: str = "applied", reason: str | None = None,
-                group: str = GROUP) -> None:
+                group: str = GROUP, entry_id: str | None = None, created_at_ms: int = 1,
+                ) -> None:
         _, type_, agg_type, agg_id, revision = self.events[event_id]
         with self.engine.begin() as conn:
             conn.execute(inbox.insert().values(
                 group_name=group, event_id=event_id, event_type=type_,
                 aggregate_type=agg_type, aggregate_id=agg_id, revision=revision,
-                stream_key=KEY, entry_id="1-1", outcome=outcome, reason=reason,
-                created_at_ms=1,
+                stream_key=KEY, entry_id=entry_id or self.entry_ids.get(event_id, "1-1"),
+                outcome=outcome, reason=reason, created_at_ms=created_at_ms,
             ))
 
     def effect(self, event_id: str, group: str = GROUP) -> None:
@@ -88,24 +107,50 @@ class World:
         self.receipt(event_id)
         self.effect(event_id)
 
-    def verify(self) -> check.Verdict:
-        return check.verify(self.engine, self.client, PREFIX, [GROUP], check_runs=False)
+    def floor(self, entry_id: str) -> None:
+        """Record the trim floor of the stream (as the relay does after an XTRIM)."""
+        with self.engine.begin() as conn:
+            conn.execute(stream_trims.insert().values(
+                stream="events", partition=0, floor_entry_id=entry_id, trimmed=0,
+                updated_at_ms=1))
+
+    def prune_row(self, event_id: str) -> None:
+        with self.engine.begin() as conn:
+            conn.execute(outbox.delete().where(outbox.c.event_id == event_id))
+
+    def prune_receipt(self, event_id: str, group: str = GROUP) -> None:
+        with self.engine.begin() as conn:
+            conn.execute(inbox.delete().where(inbox.c.group_name == group,
+                                              inbox.c.event_id == event_id))
+
+    def verify(self, retention: check.Retention | None = None) -> check.Verdict:
+        return check.verify(self.engine, self.client, PREFIX, [GROUP], check_runs=False,
+                            retention=retention)
+
+
+def build(tmp_path: Path, order: Sequence[str] = ORDER) -> World:
+    """A world holding :data:`EVENTS`, committed in their order, marked delivered under entry
+    ids that follow ``order`` (the stream order)."""
+    engine = db.make_engine(f"sqlite:///{tmp_path}/check.db")
+    db.upgrade(engine)
+    app.create_tables(engine)
+    ledger.install(engine)
+    w = World(engine, fakeredis.FakeRedis())
+    for event in EVENTS:
+        i = list(order).index(event[0])
+        w.event(*event, entry_id=f"{100 + i}-{i + 1}")
+    return w
 
 
 @pytest.fixture
 def world(tmp_path: Path) -> Iterator[World]:
-    engine = db.make_engine(f"sqlite:///{tmp_path}/check.db")
-    db.upgrade(engine)
-    app.create_tables(engine)
-    w = World(engine, fakeredis.FakeRedis())
-    for event in EVENTS:
-        w.event(*event)
+    w = build(tmp_path)
     yield w
-    engine.dispose()
+    w.engine.dispose()
 
 
 def all_in_stream(w: World) -> None:
-    for event_id, *_ in EVENTS:
+    for event_id in sorted(w.entry_ids, key=lambda e: check.entry_key(w.entry_ids[e])):
         w.entry(event_id)
 
 
@@ -131,12 +176,13 @@ def test_equal_revisions_apply_in_either_order(world: World) -> None:
     assert broken(world.verify()) == {}
 
 
-def test_a_stream_holding_a_later_revision_first_is_a_violation(world: World) -> None:
-    for event_id in (C2, C1, N1, T1, T2, PLAIN):  # item-1 revision 2 above revision 1
-        world.entry(event_id)
+def test_a_stream_holding_a_later_revision_first_is_a_violation(tmp_path: Path) -> None:
+    world = build(tmp_path, order=(C2, C1, N1, T1, T2, PLAIN))  # revision 2 above 1
+    all_in_stream(world)
     for event_id, *_ in EVENTS:
         world.apply(event_id)
     assert broken(world.verify()) == {"stream_order_violations": 2}
+    world.engine.dispose()
 
 
 def test_a_strict_event_applied_after_a_higher_revision_is_an_order_violation(
@@ -240,8 +286,9 @@ def test_superseded_counts_only_a_newer_revision_applied_by_the_same_group() -> 
 
 
 def test_lost_and_duplicate_entries(world: World) -> None:
-    for event_id in (C1, N1, T1, C2, T2, C2):  # evt-1 missing, revision 2 twice
+    for event_id in (C1, N1, T1, C2, T2):  # evt-1 missing
         world.entry(event_id)
+    world.entry(C2, "200-4")  # revision 2 twice: a copy the relay never marked
     for event_id, *_ in EVENTS:
         world.apply(event_id)
     assert broken(world.verify()) == {"lost": 1, "duplicate_entries": 1}
@@ -264,3 +311,264 @@ def test_pending_entries_are_a_violation(world: World) -> None:
     world.client.xgroup_create(KEY, GROUP, id="0")
     world.client.xreadgroup(GROUP, "c0", {KEY: ">"}, count=2)
     assert broken(world.verify()) == {"pending": 2}
+
+
+# -- retention: what may be missing, and only under its condition -------------------------------
+
+FLOOR_ABOVE_T1 = "103-0"  # C1, N1, T1 (entries 100-1, 101-2, 102-3) are below it
+
+
+def applied_everything(w: World) -> None:
+    for event_id, *_ in EVENTS:
+        w.apply(event_id)
+
+
+def test_delivered_rows_pruned_after_their_retention_are_accepted(world: World) -> None:
+    all_in_stream(world)
+    applied_everything(world)
+    world.prune_row(C1)
+    world.prune_row(PLAIN)
+    v = world.verify(check.Retention(delivered_s=20))  # delivered at 2 ms: long ago
+    assert broken(v) == {}
+    assert (v.events, v.rows_pruned) == (len(EVENTS), 2)
+
+
+def test_a_missing_undelivered_row_is_a_violation(world: World) -> None:
+    all_in_stream(world)
+    applied_everything(world)
+    world.event("evt-2", "torture.event", None, None, None)  # never delivered
+    world.prune_row("evt-2")
+    v = world.verify()
+    assert broken(v) == {"rows_missing": 1, "undelivered": 1, "lost": 1, "missing_receipts": 1}
+    assert v.rows_pruned == 0
+
+
+def test_a_row_pruned_before_its_retention_is_a_violation(world: World) -> None:
+    all_in_stream(world)
+    applied_everything(world)
+    world.event("evt-2", "torture.event", None, None, None, entry_id="200-7",
+                delivered_at_ms=now_ms())
+    world.entry("evt-2")
+    world.apply("evt-2")
+    world.prune_row("evt-2")
+    assert broken(world.verify()) == {}
+    assert broken(world.verify(check.Retention(delivered_s=20))) == {"rows_missing": 1}
+
+
+def test_an_event_id_enqueued_again_after_its_row_was_pruned_is_a_violation(
+    world: World,
+) -> None:
+    all_in_stream(world)
+    applied_everything(world)
+    world.prune_row(PLAIN)
+    world.event(*EVENTS[-1])  # the same id, enqueued again
+    assert broken(world.verify()) == {"rows_reused": 1}
+
+
+def test_entries_below_the_floor_settled_by_every_group_are_trimmed(world: World) -> None:
+    world.floor(FLOOR_ABOVE_T1)
+    for event_id in (C2, T2, PLAIN):  # C1, N1, T1 were trimmed
+        world.entry(event_id)
+    for event_id in (C1, N1, C2, T2, PLAIN):
+        world.apply(event_id)
+    world.receipt(T1, "superseded")  # settled without an effect: a latest type
+    v = world.verify()
+    assert broken(v) == {}
+    assert (v.entries_trimmed, v.entries_readable, v.superseded_latest) == (3, 3, 1)
+
+
+def test_a_missing_entry_above_the_floor_is_lost(world: World) -> None:
+    world.floor(FLOOR_ABOVE_T1)
+    for event_id in (T2, PLAIN):  # C2 (103-4) is at or above the floor, and missing
+        world.entry(event_id)
+    applied_everything(world)
+    v = world.verify()
+    assert broken(v) == {"lost": 1}
+    assert (v.entries_trimmed, v.trimmed_unsettled) == (3, 0)
+
+
+def test_a_missing_entry_without_any_floor_is_lost(world: World) -> None:
+    for event_id in (N1, T1, C2, T2, PLAIN):
+        world.entry(event_id)
+    applied_everything(world)
+    assert broken(world.verify()) == {"lost": 1}
+
+
+def test_an_entry_below_the_floor_the_group_never_settled_is_lost(world: World) -> None:
+    world.floor(FLOOR_ABOVE_T1)
+    for event_id in (C2, T2, PLAIN):
+        world.entry(event_id)
+    for event_id in (C1, N1, C2, T2, PLAIN):  # T1 trimmed, never received
+        world.apply(event_id)
+    v = world.verify()
+    assert broken(v) == {"lost": 1, "missing_receipts": 1}
+    assert (v.entries_trimmed, v.trimmed_unsettled) == (2, 1)
+
+
+def test_an_entry_below_the_floor_applied_without_its_effect_is_lost(world: World) -> None:
+    world.floor(FLOOR_ABOVE_T1)
+    for event_id in (C2, T2, PLAIN):
+        world.entry(event_id)
+    for event_id in (C1, N1, C2, T2, PLAIN):
+        world.apply(event_id)
+    world.receipt(T1)  # "applied", but no effect row: not settled
+    v = world.verify()
+    assert broken(v) == {"lost": 1, "missing_effects": 1}
+    assert v.trimmed_unsettled == 1
+
+
+def test_order_is_judged_on_trimmed_entries_too(tmp_path: Path) -> None:
+    world = build(tmp_path, order=(C2, C1, N1, T1, T2, PLAIN))
+    world.floor("200-0")  # everything trimmed: the stream holds nothing
+    applied_everything(world)
+    v = world.verify()
+    assert broken(v) == {"stream_order_violations": 2}
+    assert (v.entries_readable, v.entries_trimmed) == (0, len(EVENTS))
+    world.engine.dispose()
+
+
+def test_a_receipt_pruned_below_the_floor_with_its_effect_is_accepted(world: World) -> None:
+    world.floor(FLOOR_ABOVE_T1)
+    for event_id in (C2, T2, PLAIN):
+        world.entry(event_id)
+    applied_everything(world)
+    world.prune_receipt(C1)
+    world.prune_receipt(T1)
+    v = world.verify(check.Retention(inbox_s=30))  # created at 1 ms: long ago
+    assert broken(v) == {}
+    assert v.receipts_pruned == 2
+
+
+def test_a_receipt_pruned_at_or_above_the_floor_is_a_violation(world: World) -> None:
+    world.floor(FLOOR_ABOVE_T1)
+    for event_id in (C2, T2, PLAIN):
+        world.entry(event_id)
+    applied_everything(world)
+    world.prune_receipt(C2)  # 103-4: not below the floor 103-0
+    v = world.verify()
+    assert broken(v) == {"receipts_pruned_wrongly": 1}
+    assert v.receipts_pruned == 0
+
+
+def test_a_receipt_pruned_without_a_trim_floor_is_a_violation(world: World) -> None:
+    all_in_stream(world)
+    applied_everything(world)
+    world.prune_receipt(C1)
+    assert broken(world.verify()) == {"receipts_pruned_wrongly": 1}
+
+
+def test_a_receipt_pruned_without_its_effect_is_a_violation(world: World) -> None:
+    world.floor(FLOOR_ABOVE_T1)
+    for event_id in (C2, T2, PLAIN):
+        world.entry(event_id)
+    for event_id in (N1, T1, C2, T2, PLAIN):
+        world.apply(event_id)
+    world.receipt(C1)  # applied, effect never written
+    world.prune_receipt(C1)
+    assert broken(world.verify()) == {
+        "receipts_pruned_wrongly": 1, "missing_effects": 1, "lost": 1, "order_violations": 1,
+    }
+
+
+def test_a_receipt_pruned_before_its_retention_is_a_violation(world: World) -> None:
+    world.floor(FLOOR_ABOVE_T1)
+    for event_id in (C2, T2, PLAIN):
+        world.entry(event_id)
+    world.receipt(C1, created_at_ms=now_ms())
+    world.effect(C1)
+    for event_id in (N1, T1, C2, T2, PLAIN):
+        world.apply(event_id)
+    world.prune_receipt(C1)
+    assert broken(world.verify()) == {}
+    assert broken(world.verify(check.Retention(inbox_s=30))) == {"receipts_pruned_wrongly": 1}
+
+
+def test_a_receipt_written_again_after_pruning_is_a_violation(world: World) -> None:
+    world.floor(FLOOR_ABOVE_T1)
+    for event_id in (C2, T2, PLAIN):
+        world.entry(event_id)
+    applied_everything(world)
+    world.prune_receipt(T1)
+    world.receipt(T1)  # the event came back and was received again
+    assert broken(world.verify()) == {"receipts_recreated": 1}
+
+
+def test_a_receipt_from_an_entry_the_relay_never_marked_is_foreign(world: World) -> None:
+    all_in_stream(world)
+    for event_id in (C1, N1, T1, C2, PLAIN):
+        world.apply(event_id)
+    world.receipt(T2, entry_id="99-5")  # a stray copy, received first
+    world.effect(T2)
+    assert broken(world.verify()) == {"foreign_receipts": 1}
+
+
+def test_a_lost_receipt_is_a_violation(world: World) -> None:
+    all_in_stream(world)
+    for event_id in (C1, N1, C2, T2, PLAIN):
+        world.apply(event_id)
+    world.receipt(T1, "lost", "trimmed_while_pending")
+    assert broken(world.verify()) == {"lost_receipts": 1, "not_applied": 1}
+
+
+def test_a_row_marked_again_under_another_id_is_a_violation(world: World) -> None:
+    all_in_stream(world)
+    applied_everything(world)
+    with world.engine.begin() as conn:
+        conn.execute(update(outbox).where(outbox.c.event_id == PLAIN).values(entry_id="300-6"))
+    # The stream holds the old id: a copy the ledger no longer knows (the event is not lost:
+    # it was read from there); the receipt names it.
+    assert broken(world.verify()) == {
+        "remarked": 1, "duplicate_entries": 1, "foreign_receipts": 1,
+    }
+
+
+def test_redeliveries_are_reported_not_judged(world: World) -> None:
+    all_in_stream(world)
+    applied_everything(world)
+    with world.engine.begin() as conn:
+        conn.execute(update(inbox).where(inbox.c.event_id == C1)
+                     .values(duplicates=inbox.c.duplicates + 2))
+    v = world.verify()
+    assert broken(v) == {}
+    assert v.redeliveries == 2
+
+
+def test_the_ledger_triggers_record_every_change(engine: Engine) -> None:
+    """On both databases: enqueue, mark, prune a row; receive, count a duplicate, prune a
+    receipt (stamping the floor); prune a head."""
+    app.create_tables(engine)
+    ledger.install(engine)
+    ledger.install(engine)  # idempotent
+    with engine.begin() as conn:
+        conn.execute(outbox.insert().values(
+            event_id="e1", stream="events", partition=2, type="t", source="s",
+            payload="null", headers="{}", created_at_ms=1, available_at_ms=1))
+        conn.execute(update(outbox).values(attempts=1))  # not a delivery: not a mark
+        conn.execute(update(outbox).values(entry_id="500-1", delivered_at_ms=7))
+        conn.execute(stream_trims.insert().values(
+            stream="events", partition=2, floor_entry_id="600-0", trimmed=1, updated_at_ms=1))
+        conn.execute(inbox.insert().values(
+            group_name="g", event_id="e1", stream_key="k", entry_id="500-1",
+            outcome="applied", created_at_ms=3))
+        conn.execute(update(inbox).values(duplicates=inbox.c.duplicates + 1))
+        conn.execute(inbox_heads.insert().values(
+            group_name="g", aggregate_type="a", aggregate_id="b", revision=4, updated_at_ms=1))
+    before = now_ms()
+    with engine.begin() as conn:
+        conn.execute(inbox.delete())
+        conn.execute(outbox.delete())
+        conn.execute(inbox_heads.delete())
+    with engine.connect() as conn:
+        event = conn.execute(select(ledger.events)).one()
+        receipt = conn.execute(select(ledger.receipts)).one()
+        head = conn.execute(select(ledger.pruned_heads)).one()
+    assert (event.event_id, event.stream, event.partition, event.enqueued, event.marks,
+            event.entry_id, event.delivered_at_ms) == ("e1", "events", 2, 1, 1, "500-1", 7)
+    assert (receipt.entry_id, receipt.outcome, receipt.duplicates, receipt.inserts,
+            receipt.floor_at_prune) == ("500-1", "applied", 1, 1, "600-0")
+    assert (head.aggregate_id, head.revision) == ("b", 4)
+    for stamped in (event.pruned_at_ms, receipt.pruned_at_ms, head.pruned_at_ms):
+        assert before - 1000 <= stamped <= now_ms() + 1000  # the database's clock
+    sizes = ledger.sizes(engine)
+    assert (sizes["outbox_rows_pruned"], sizes["receipts_pruned"], sizes["heads_pruned"],
+            sizes["trimmed_recorded"]) == (1, 1, 1, 1)

@@ -1,8 +1,10 @@
 """Bounded growth: what retention and acknowledgement-aware trimming need (issue #10).
 
-* ``outbox_stream_trims``: per (stream, partition), the id below which the relay trimmed the
-  stream on purpose (every group had acknowledged it). Recorded before the ``XTRIM``; a repair
-  refills only rows at or above it, so it never re-adds what was trimmed.
+* ``outbox_stream_trims``: one row per (stream, partition) the relay delivered to (so repair
+  checks and trims find their streams without scanning the outbox), with the id below which
+  the relay trimmed the stream on purpose (every group had acknowledged it; ``0-0``: never
+  trimmed). Raised after each ``XTRIM``; a repair refills only rows at or above it, so it
+  never re-adds what was trimmed.
 * ``ix_outbox_events_delivered``: delivered rows by delivery time, for pruning (partial: the
   undelivered rows are never pruned and never in it).
 * ``ix_outbox_inbox_created``: receipts by age, for pruning.
@@ -34,6 +36,13 @@ def upgrade() -> None:
         sa.Column("trimmed", sa.BigInteger, nullable=False, server_default=sa.text("0")),
         sa.Column("updated_at_ms", sa.BigInteger, nullable=False),
         sa.PrimaryKeyConstraint("stream", "partition", name="pk_outbox_stream_trims"),
+    )
+    # Every stream delivered to so far becomes known (floor 0-0: never trimmed); from now on
+    # each settle registers the streams it marks rows of, so nothing scans the outbox for them.
+    op.execute(
+        "INSERT INTO outbox_stream_trims (stream, partition, floor_entry_id, trimmed, "
+        "updated_at_ms) SELECT DISTINCT stream, partition, '0-0', 0, 0 FROM outbox_events "
+        "WHERE entry_id IS NOT NULL"
     )
     op.create_index(
         "ix_outbox_events_delivered",
