@@ -388,21 +388,30 @@ def delivered_counts(engine: Engine, partitions: list[int]) -> dict[tuple[str, i
     """
     if not partitions:
         return {}
-    joined = stream_trims.outerjoin(
-        outbox,
-        (outbox.c.stream == stream_trims.c.stream)
-        & (outbox.c.partition == stream_trims.c.partition)
-        & (outbox.c.entry_id >= stream_trims.c.floor_entry_id)
-        & outbox.c.delivered_at_ms.is_not(None),
+    count = (
+        select(func.count())
+        .select_from(outbox)
+        .where(
+            outbox.c.stream == bindparam("b_stream"),
+            outbox.c.partition == bindparam("b_partition"),
+            outbox.c.entry_id >= bindparam("b_floor"),
+            outbox.c.delivered_at_ms.is_not(None),
+        )
     )
     with translate_errors(), engine.connect() as conn:
-        rows = conn.execute(
-            select(stream_trims.c.stream, stream_trims.c.partition, func.count(outbox.c.seq))
-            .select_from(joined)
+        known = conn.execute(
+            select(stream_trims.c.stream, stream_trims.c.partition,
+                   stream_trims.c.floor_entry_id)
             .where(stream_trims.c.partition.in_(partitions))
-            .group_by(stream_trims.c.stream, stream_trims.c.partition)
         ).all()
-    return {(stream, partition): int(n) for stream, partition, n in rows}
+        # One statement per stream with its floor as a value: the planner then ranges over
+        # the index (a join on the floor column made PostgreSQL scan every delivered row).
+        return {
+            (stream, partition): int(conn.execute(
+                count, {"b_stream": stream, "b_partition": partition, "b_floor": floor}
+            ).scalar_one())
+            for stream, partition, floor in known
+        }
 
 
 def register_streams(engine: Engine, pairs: set[tuple[str, int]], now: int) -> None:

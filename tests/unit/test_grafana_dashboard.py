@@ -53,8 +53,8 @@ GROUP = "billing"
 STREAM = "orders"
 EVENT_TYPE = "order.placed"
 
-Exported = dict[str, frozenset[str]]
-"""Series name (``…_total``, ``…_bucket`` …) → the label names its samples carry (empty when
+Exported = dict[str, frozenset[str] | None]
+"""Series name (``…_total``, ``…_bucket`` …) → the label names its samples carry (None when
 the series had no sample to show them)."""
 
 
@@ -64,15 +64,17 @@ the series had no sample to show them)."""
 def _series(registry: CollectorRegistry) -> Exported:
     """Every series name of ``registry``: from the samples, and from each family's type (a
     labelled counter nobody incremented yet still exports ``<name>_total`` later)."""
-    found: dict[str, set[str]] = {}
+    found: dict[str, set[str] | None] = {}
     suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"),
                 "gauge": ("",)}
     for family in registry.collect():
         for suffix in suffixes.get(family.type, ("",)):
-            found.setdefault(family.name + suffix, set())
+            found.setdefault(family.name + suffix, None)
         for sample in family.samples:
-            found.setdefault(sample.name, set()).update(sample.labels)
-    return {name: frozenset(labels) for name, labels in found.items()}
+            labels = found.get(sample.name) or set()
+            found[sample.name] = labels | set(sample.labels)
+    return {name: None if labels is None else frozenset(labels)
+            for name, labels in found.items()}
 
 
 @pytest.fixture(scope="module")
@@ -179,13 +181,14 @@ def problems(queries: Iterable[str], exported: Exported) -> list[str]:
             found.append(f"unknown metric {name} in: {query}")
         for name, matchers in SELECTOR.findall(query):
             labels = exported.get(name)
-            if not labels:  # unknown (reported above) or no sample to show its labels
+            if labels is None:  # unknown (reported above) or no sample to show its labels
                 continue
             for label in MATCHER.findall(matchers):
                 if label not in labels:
                     found.append(f"{name} has no label {label!r} in: {query}")
-        carried = set(TARGET_LABELS).union(*(exported.get(n, frozenset()) for n in names))
-        if all(exported.get(n) for n in names):  # every metric showed its labels
+        shown = [exported.get(n) for n in names]
+        carried = set(TARGET_LABELS).union(*(labels or () for labels in shown))
+        if all(labels is not None for labels in shown):  # every metric showed its labels
             for grouping in GROUPING.findall(query):
                 for label in (part.strip() for part in grouping.split(",")):
                     if label and label not in carried:
@@ -205,14 +208,17 @@ def test_the_registries_are_found(exported: Exported) -> None:
                  "outbox_relay_prune_outbox_rows_total",
                  "outbox_consumer_hygiene_consumers_removed_total"):
         assert name in exported, name
-    assert {"stream", "partition"} <= exported["outbox_relay_backlog_rows"]
-    assert {"group", "type", "outcome", "reason"} <= exported["outbox_consumer_outcomes_total"]
+    assert exported["outbox_relay_backlog_rows"] == frozenset({"stream", "partition"})
+    assert exported["outbox_consumer_outcomes_total"] == frozenset(
+        {"group", "type", "outcome", "reason"})
+    assert exported["outbox_relay_leases_held"] == frozenset()  # a sample without labels
 
 
 def test_the_checker_reports_what_does_not_exist(exported: Exported) -> None:
     assert problems(["sum(rate(outbox_relay_rows_delivered_total[5m]))"], exported) == []
     assert problems(["outbox_relay_rows_delivered"], exported)  # the family, not the series
     assert problems(['outbox_relay_backlog_rows{group="x"}'], exported)
+    assert problems(['outbox_relay_leases_held{group="x"}'], exported)
     assert problems(["sum by (task) (outbox_relay_backlog_rows)"], exported)
     assert problems(["sum by (instance, le) (rate(outbox_relay_batch_size_bucket[1m]))"],
                     exported) == []
