@@ -7,7 +7,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: install demo test lint typecheck unit integration acceptance bench bench-quick torture torture-short clean
+.PHONY: install demo test lint typecheck unit integration acceptance bench bench-quick torture torture-short soak soak-quick clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -44,13 +44,22 @@ bench: install
 bench-quick: install
 	$(BIN)/python -m bench --quick
 
-# Crash-safety proof: >= 1000 kills per database plus broker and database faults;
+# Crash-safety proof: >= 1000 kills per database plus broker and database faults, with stream
+# trimming and pruning running (aggressive retention; --no-retention turns it off);
 # the report is printed and written to torture/out/report.json.
 torture: install
 	$(BIN)/python -m torture --database both --run-worker --kills 1000 --duration 120
 
 torture-short: install
 	$(BIN)/python -m torture --quick --database both --run-worker
+
+# Bounded growth: a steady 1,000 events/s for 30 minutes, retention of minutes, no faults; table
+# sizes and stream lengths sampled every 30 s must stay flat (torture/out/soak.json).
+soak: install
+	$(BIN)/python -m torture --soak --database postgresql --duration 1800 --rate 1000
+
+soak-quick: install
+	$(BIN)/python -m torture --soak --quick --database both
 
 clean:
 	rm -rf $(VENV) .outbox-demo .pytest_cache .mypy_cache .ruff_cache .hypothesis

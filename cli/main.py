@@ -185,6 +185,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # `outbox status | head`: the reader left; nothing to report
+        sys.stderr.close()
+        return 0
 
 
 if __name__ == "__main__":

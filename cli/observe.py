@@ -10,8 +10,8 @@ Each daemon's registry also carries the standard ``process_*`` and ``python_*`` 
 
 Readiness, per daemon:
 
-- relay: ``database`` (reachable, schema current), ``redis`` (``PING``), ``leases`` (holds a
-  partition lease, or tried to take one within a lease lifetime: a standby relay is ready);
+- relay: ``database`` (reachable, schema current), ``redis`` (``PING``), ``leases`` (its last
+  lease round succeeded within a lease lifetime, partitions held or not: a standby is ready);
 - consume: ``database``, ``redis``, ``groups`` (the consumer group exists on every stream);
 - serve: ``database``.
 

@@ -21,7 +21,8 @@ with its writes. So replaying twice, or racing a live consumer, applies the even
 
 One subtlety: for ``unknown_type``, ``max_deliveries`` and ``out_of_order`` letters the claim
 already wrote a ``dead`` receipt, which would make the replay a mere ``duplicate``. Replay
-therefore deletes a ``dead`` receipt of that event (never any other outcome) just before
+therefore deletes a ``dead`` receipt of that event (or a ``lost`` one: an entry that vanished
+while pending, whose letter carries what the outbox knew; never any other outcome) just before
 claiming. If the claim then fails, the letter is still in its stream, so a record of the event
 always exists.
 
@@ -41,7 +42,7 @@ from typing import Any, cast
 import redis
 from sqlalchemy import Engine, delete
 
-from consumer import inbox
+from consumer import inbox, lost
 from consumer.handlers import Handlers
 from shared import keys
 from shared.db import translate_errors
@@ -246,7 +247,8 @@ def remove(client: redis.Redis, letter: DeadLetter) -> None:
 
 
 def reopen_dead_receipt(engine: Engine, group: str, event_id: str) -> int:
-    """Delete the group's ``dead`` receipt of ``event_id`` so the claim can decide again.
+    """Delete the group's ``dead`` (or ``lost``: consumer/lost.py) receipt of ``event_id`` so
+    the claim can decide again.
 
     The only SQL statement outside :mod:`consumer.inbox` (whose claim transaction is shared
     with the daemon); it touches nothing but a ``dead`` outcome. Returns rows deleted (0 or 1).
@@ -256,7 +258,7 @@ def reopen_dead_receipt(engine: Engine, group: str, event_id: str) -> int:
             delete(inbox_table).where(
                 inbox_table.c.group_name == group,
                 inbox_table.c.event_id == event_id,
-                inbox_table.c.outcome == inbox.DEAD,
+                inbox_table.c.outcome.in_((inbox.DEAD, lost.LOST)),
             )
         )
         return int(result.rowcount or 0)

@@ -89,10 +89,25 @@ SWEEPER_NAMES = {
     "raced": ("raced", "Expired runs another sweeper (or the worker) handled first."),
 }
 
+HYGIENE_NAMES = {
+    "consumers_removed": ("consumers_removed",
+                          "Idle consumers with nothing pending removed from the group."),
+    "node_rows_removed": ("node_rows_removed", "Expired consumer heartbeat rows deleted."),
+    "dead_letters_trimmed": ("dead_letters_trimmed",
+                             "Dead letters older than the retention trimmed."),
+}
+
+PRUNE_NAMES = {
+    "passes": ("passes", "Retention passes over the inbox."),
+    "receipts": ("receipts", "Inbox receipts deleted by retention."),
+    "heads": ("heads", "Aggregate heads deleted by retention."),
+    "runs": ("runs", "Terminal runs deleted by retention."),
+}
+
 KNOWN = {
     "stats": Naming("", CONSUMER_NAMES, OUTCOME_FIELDS),
-    "hygiene_stats": Naming("hygiene"),
-    "prune_stats": Naming("prune"),
+    "hygiene_stats": Naming("hygiene", HYGIENE_NAMES),
+    "prune_stats": Naming("prune", PRUNE_NAMES),
     "run_worker": Naming("run_worker", WORKER_NAMES),
     "run_sweeper": Naming("run_sweeper", SWEEPER_NAMES),
 }

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sqlalchemy import Connection, exc
+from sqlalchemy import exc as sa_exc
 
 from consumer.handlers import Handler, Handlers
 from shared import tracing
@@ -195,13 +196,24 @@ def _log_failure(d: Delivery, error: str, exc: BaseException | None, group: str)
     """A handler's failure, at WARNING with its traceback (redacted by the log handler) and
     the event's id and type as structured fields: the entry stays pending and is retried."""
     event = d.event
+    shown = exc
+    if isinstance(exc, sa_exc.StatementError):
+        # The driver's text carries the SQL statement and its parameters (event data): the
+        # traceback's frames at WARNING, the driver's message only at DEBUG.
+        shown = _DatabaseError(f"{type(exc).__name__}: the database refused a statement of "
+                               "the handler (driver message at DEBUG)")
+        log.debug("handler for %s failed on %s", event.type, event.id, exc_info=exc)
     log.warning(
         "handler for %s failed on %s: %s", event.type, event.id, error,
-        exc_info=(type(exc), exc, exc.__traceback__) if exc is not None else None,
+        exc_info=(type(shown), shown, exc.__traceback__) if exc is not None and shown else None,
         extra={"event_id": event.id, "event_type": event.type, "stream_key": d.key,
                "entry_id": d.entry_id, "group": group, "error": error,
                "deliveries": d.deliveries},
     )
+
+
+class _DatabaseError(Exception):
+    """Stands in for a database error in a WARNING traceback (see :func:`_log_failure`)."""
 
 
 def _raise_if_claim_lost(conn: Connection, err: Exception) -> None:

@@ -83,7 +83,7 @@ class Relay:
         self._found_rows = False
         self._append_thread: ThreadPoolExecutor | None = None
         # Observation (relay/metrics.py, cli/observe.py): hooks when metrics are on, the
-        # liveness heartbeat and the last lease attempt (monotonic seconds).
+        # liveness heartbeat and the last successful lease round (monotonic seconds).
         self.metrics: RelayMetrics | None = None
         self.last_loop = self.leases_tried_at = time.monotonic()
         self.trimmer = trim.Trimmer(settings, engine, client)
@@ -329,10 +329,10 @@ class Relay:
         if now < self._next_lease_check:
             return
         s = self.settings
-        self.leases_tried_at = now
         leases = store.acquire_leases(
             self.engine, self.node_id, s.partitions, s.lease_ttl_ms, now_ms()
         )
+        self.leases_tried_at = now  # a lease round that succeeded (readiness)
         self.stats.lease_acquisitions += sum(self.leases.get(p) != e for p, e in leases.items())
         self.leases = leases
         self._next_lease_check = now + s.lease_ttl_ms / 3000

@@ -80,12 +80,19 @@ TRIM_NAMES = {
     "trims": ("runs", "Trim passes over a partition stream."),
     "trimmed_entries": ("entries", "Entries trimmed below what every group acknowledged."),
     "trim_fenced": ("fenced", "Trims refused by the fence (a newer lease owns the stream)."),
+    "trim_errors": ("errors", "Trims Redis refused (ACL, wrong type): logged, retried."),
+}
+
+PRUNE_NAMES = {
+    "passes": ("passes", "Retention passes over the outbox."),
+    "outbox_rows": ("outbox_rows", "Delivered outbox rows deleted by retention."),
 }
 
 KNOWN = {
     "stats": Naming("", RELAY_NAMES),
     "repairer": Naming("repair", REPAIR_NAMES, frozenset({"findings"})),
     "trimmer": Naming("trim", TRIM_NAMES),
+    "prune_stats": Naming("prune", PRUNE_NAMES),
 }
 """The relay's stats dataclasses by attribute; any other one is exported too
 (:func:`shared.metrics.discover`)."""
@@ -171,11 +178,11 @@ class BacklogCollector(Collector):
 
 
 def leases_check(relay: Relay) -> None:
-    """Readiness: the relay holds a partition lease, or tried to take some within one lease
-    lifetime (a standby relay, with every partition held by others, is ready too)."""
-    if relay.leases:
-        return
+    """Readiness: the relay's last lease round (take, renew, rebalance) succeeded within one
+    lease lifetime, whether or not it holds a partition (a standby relay, with every partition
+    held by others, is ready too). A relay that cannot reach its lease table is not: its
+    leases expire and it relays nothing."""
     ttl_s = relay.settings.lease_ttl_ms / 1000
     if time.monotonic() - relay.leases_tried_at > ttl_s:
-        raise UnavailableError(f"no partition lease held or tried in the last {ttl_s:g}s",
+        raise UnavailableError(f"no successful lease round in the last {ttl_s:g}s",
                                code="no_leases")

@@ -155,6 +155,12 @@ class RetentionSettings(CommonSettings):
         # A receipt must outlive every way its event can come back: a repair refills delivered
         # rows still in the outbox, and the stream keeps entries for stream_keep_s. Pruning a
         # receipt earlier would let a redelivery apply the event a second time.
+        if self.retention_inbox and not self.retention_delivered and not self.stream_trim:
+            raise ValueError(
+                "retention_inbox needs retention_delivered or stream_trim: with both off, a "
+                "repair can refill any delivered row, so no receipt may ever be pruned "
+                "(set retention_inbox=off)"
+            )
         if self.retention_inbox and self.retention_delivered:
             needed = self.retention_delivered + self.stream_keep_s
             if self.retention_inbox < needed:

@@ -52,7 +52,6 @@ Order (design.md flow 3, invariant 6), each rule a violation of its own:
 
 from __future__ import annotations
 
-import bisect
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -64,6 +63,14 @@ from sqlalchemy import Engine, func, select
 from shared import keys
 from shared.schema import inbox, outbox, runs, stream_trims
 from torture import app, ledger
+from torture.order import (
+    AggregateKey,
+    aggregate_of,
+    entry_key,
+    order_violations,
+    revision_order_violations,
+    superseded_latest,
+)
 
 TERMINAL = ("completed", "failed")
 APPLIED, SUPERSEDED, DEAD, OUT_OF_ORDER, LOST = (
@@ -71,7 +78,6 @@ APPLIED, SUPERSEDED, DEAD, OUT_OF_ORDER, LOST = (
 SETTLED = frozenset({APPLIED, SUPERSEDED, DEAD})
 PAGE = 5000
 
-AggregateKey = tuple[str, str]
 StreamId = tuple[str, int]
 
 VIOLATIONS = (
@@ -122,6 +128,15 @@ class Verdict:
     entries_trimmed: int = 0
     trimmed_unsettled: int = 0  # part of ``lost``
     redeliveries: int = 0  # sum of ``duplicates``: redeliveries and duplicate entries alike
+    # A few instances of the retention and stream violations, for whoever reads the report.
+    examples: dict[str, list[str]] = field(default_factory=dict)
+
+    def note(self, name: str, what: str) -> None:
+        """Count one ``name`` violation and keep ``what`` as an example (the first 5)."""
+        setattr(self, name, getattr(self, name) + 1)
+        kept = self.examples.setdefault(name, [])
+        if len(kept) < 5:
+            kept.append(what)
 
     def violations(self, *, runs_must_finish: bool) -> list[str]:
         names = VIOLATIONS + (RUN_VIOLATIONS if runs_must_finish else ())
@@ -164,12 +179,6 @@ class Snapshot:
     effects: Counter[tuple[str, str]] = field(default_factory=Counter)
 
 
-def entry_key(entry_id: str) -> tuple[int, int]:
-    """``"1700000000000-3"`` → ``(1700000000000, 3)``, the order Redis sorts ids in."""
-    ms, _, seq = entry_id.partition("-")
-    return int(ms), int(seq or 0)
-
-
 def read_stream(client: redis.Redis, key: str) -> list[Entry]:
     """Every readable entry of one stream, in id order (``XRANGE`` in pages)."""
     found: list[Entry] = []
@@ -185,19 +194,6 @@ def read_stream(client: redis.Redis, key: str) -> list[Entry]:
         if len(page) < PAGE:
             return found
         start = "(" + page[-1][0].decode()
-
-
-def revision_order_violations(entries: Iterable[tuple[str, AggregateKey, int]]) -> int:
-    """Of ``(entry id, aggregate, revision)`` of one stream (any order), the entries whose
-    revision is below one an earlier entry of the same aggregate already had."""
-    highest: dict[AggregateKey, int] = {}
-    violations = 0
-    for _, aggregate, rev in sorted(entries, key=lambda e: entry_key(e[0])):
-        if rev < highest.get(aggregate, rev):
-            violations += 1
-        else:
-            highest[aggregate] = rev
-    return violations
 
 
 def pending_total(client: redis.Redis, key: str) -> int:
@@ -307,14 +303,18 @@ def _outbox_rows(v: Verdict, snap: Snapshot, retention: Retention) -> None:
     and marked delivered once."""
     min_age = int(retention.delivered_s * 1000)
     for x in snap.events:
-        v.rows_reused += max(int(x.enqueued) - 1, 0)
-        v.remarked += max(int(x.marks) - 1, 0)
+        for _ in range(int(x.enqueued) - 1):
+            v.note("rows_reused", x.event_id)
+        for _ in range(int(x.marks) - 1):
+            v.note("remarked", f"{x.event_id} now at {x.entry_id}")
         if x.event_id in snap.present_rows:
             continue
-        rightly = (x.delivered_at_ms is not None and x.pruned_at_ms is not None
-                   and x.pruned_at_ms - x.delivered_at_ms >= min_age)
-        v.rows_pruned += rightly
-        v.rows_missing += not rightly
+        if (x.delivered_at_ms is not None and x.pruned_at_ms is not None
+                and x.pruned_at_ms - x.delivered_at_ms >= min_age):
+            v.rows_pruned += 1
+        else:
+            v.note("rows_missing", f"{x.event_id} delivered_at={x.delivered_at_ms} "
+                                   f"pruned_at={x.pruned_at_ms}")
 
 
 def _streams(
@@ -341,22 +341,26 @@ def _streams(
         v.dead_letters += int(client.xlen(keys.dead_letter_key(prefix, stream, partition)))
         marked = {x.event_id: x.entry_id for x in events}
         present = {e.event_id for e in readable}
-        v.duplicate_entries += sum(1 for e in readable if marked.get(e.event_id) != e.entry_id)
+        for e in readable:
+            if marked.get(e.event_id) != e.entry_id:
+                v.note("duplicate_entries", f"{key} {e.entry_id}: {e.event_id!r}, marked at "
+                                            f"{marked.get(e.event_id)}")
         floor = snap.floors.get((stream, partition))
         for x in events:
             if x.event_id in present:
                 continue
             if x.entry_id is None or floor is None or entry_key(x.entry_id) >= floor:
-                v.lost += 1
+                v.note("lost", f"{x.event_id} at {key} {x.entry_id}, floor {floor}")
             elif all(settled(g, x.event_id) for g in readers.get(stream, [])):
                 v.entries_trimmed += 1
             else:
-                v.lost += 1
+                v.note("lost", f"{x.event_id} at {key} {x.entry_id}, below the floor {floor} "
+                               "but not settled by every group")
                 v.trimmed_unsettled += 1
         ordered = {e.entry_id: (e.aggregate, e.revision) for e in readable}
         for x in events:
             if x.entry_id is not None and x.entry_id not in ordered:
-                ordered[x.entry_id] = (_aggregate(x), x.revision)
+                ordered[x.entry_id] = (aggregate_of(x), x.revision)
         v.stream_order_violations += revision_order_violations(
             (i, a, int(r)) for i, (a, r) in ordered.items() if a is not None and r is not None)
 
@@ -371,88 +375,31 @@ def _pruned_receipts(
     min_age = int(retention.inbox_s * 1000)
     for r in snap.receipts:
         v.redeliveries += int(r.duplicates)
-        v.receipts_recreated += max(int(r.inserts) - 1, 0)
+        what = f"{r.group_name}/{r.event_id} from {r.stream_key} {r.entry_id}"
+        for _ in range(int(r.inserts) - 1):
+            v.note("receipts_recreated", what)
         expected = marked.get(r.event_id)
         if r.outcome == LOST:
-            v.lost_receipts += 1
+            v.note("lost_receipts", what)
         elif expected is None or (expected[1] is not None
                                   and expected != (r.stream_key, r.entry_id)):
-            v.foreign_receipts += 1  # (an undelivered event is counted as such)
+            # (an undelivered event is counted as such)
+            v.note("foreign_receipts", f"{what}, marked at {expected}")
         if (r.group_name, r.event_id) in snap.present_receipts:
             continue
         floor = r.floor_at_prune
-        rightly = (
+        if (
             r.pruned_at_ms is not None and floor is not None
             and entry_key(r.entry_id) < entry_key(floor)
             and r.pruned_at_ms - r.created_at_ms >= min_age
             and (r.group_name not in effect_groups or r.outcome != APPLIED
                  or snap.effects[(r.group_name, r.event_id)] > 0)
-        )
-        v.receipts_pruned += rightly
-        v.receipts_pruned_wrongly += not rightly
-
-
-def _aggregate(row: Any) -> AggregateKey | None:
-    if row.aggregate_id is None or row.revision is None:
-        return None
-    return (row.aggregate_type or "", row.aggregate_id)
-
-
-def superseded_latest(
-    receipts: Iterable[Any], types: dict[str, str], strict: Callable[[str], bool]
-) -> set[tuple[str, str]]:
-    """``(group, event_id)`` of the ``superseded`` receipts the torture accepts: a latest type
-    (``types`` maps event id to type), and the same group applied a strictly newer revision of
-    the same aggregate."""
-    receipts = list(receipts)
-    newest: dict[tuple[str, AggregateKey], int] = {}
-    for r in receipts:
-        aggregate = _aggregate(r)
-        if r.outcome == APPLIED and aggregate is not None:
-            key = (r.group_name, aggregate)
-            newest[key] = max(newest.get(key, -1), int(r.revision))
-    accepted = set()
-    for r in receipts:
-        aggregate = _aggregate(r)
-        if (r.outcome != SUPERSEDED or aggregate is None or r.event_id not in types
-                or strict(types[r.event_id])):
-            continue
-        if newest.get((r.group_name, aggregate), -1) > int(r.revision):
-            accepted.add((r.group_name, r.event_id))
-    return accepted
-
-
-def order_violations(strict_events: Iterable[Any], effects: Iterable[Any]) -> int:
-    """Strict events (rows with ``event_id``, aggregate and ``revision``) that one group did not
-    apply in revision order, judged from its effect rows (``seq``, ``event_id``, aggregate,
-    ``revision``): an event counts when an effect of a higher revision of its aggregate has a
-    lower ``seq`` than the event's first effect, or than forever if it has none."""
-    first: dict[str, int] = {}
-    by_aggregate: dict[AggregateKey, list[tuple[int, int]]] = defaultdict(list)
-    for e in effects:
-        first[e.event_id] = min(first.get(e.event_id, e.seq), e.seq)
-        aggregate = _aggregate(e)
-        if aggregate is not None:
-            by_aggregate[aggregate].append((int(e.revision), int(e.seq)))
-    # Per aggregate: its applied revisions ascending, and the earliest seq at or above each.
-    earliest_from: dict[AggregateKey, tuple[list[int], list[int]]] = {}
-    for aggregate, applied in by_aggregate.items():
-        applied.sort()
-        revisions = [rev for rev, _ in applied]
-        suffix_min = [seq for _, seq in applied]
-        for i in range(len(suffix_min) - 2, -1, -1):
-            suffix_min[i] = min(suffix_min[i], suffix_min[i + 1])
-        earliest_from[aggregate] = (revisions, suffix_min)
-    violations = 0
-    for event in strict_events:
-        aggregate = _aggregate(event)
-        if aggregate is None or aggregate not in earliest_from:
-            continue
-        revisions, suffix_min = earliest_from[aggregate]
-        i = bisect.bisect_right(revisions, int(event.revision))  # first strictly higher
-        if i < len(revisions) and suffix_min[i] < first.get(event.event_id, float("inf")):
-            violations += 1
-    return violations
+        ):
+            v.receipts_pruned += 1
+        else:
+            v.note("receipts_pruned_wrongly", f"{what} ({r.outcome}) floor at prune {floor}, "
+                                              f"created {r.created_at_ms}, "
+                                              f"pruned {r.pruned_at_ms}")
 
 
 def _receipts_and_effects(

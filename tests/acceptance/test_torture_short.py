@@ -7,6 +7,11 @@ Three producer threads write the same aggregates (compare-and-set revisions, tra
 open) and handlers fail transiently; the verdict must be clean, every created run terminal, and
 order kept: no stream or apply-order violation, no ``out_of_order`` letter, no strict event
 skipped (design.md flow 3, invariant 6).
+
+Retention runs throughout (the harness's default, ``torture.harness.AGGRESSIVE``): streams are
+trimmed each second down to what a group still needs, delivered rows pruned after 20 s and
+receipts after 30 s; the run must show that they deleted (rows and receipts pruned, entries
+trimmed, counted from the torture's ledger) and that every disappearance met its condition.
 """
 
 from __future__ import annotations
@@ -54,6 +59,15 @@ def test_quick_torture_on_both_databases_loses_duplicates_and_reorders_nothing(
         for fault in BROKER_FAULTS:
             assert run["infra_faults"].get(fault, 0) >= 1
         assert run["repaired_entries"] > 0  # the empty restart lost data and it came back
+        retained = run["retention"]
+        assert retained["settings"]["OUTBOX_STREAM_TRIM"] == "true"  # on by default
+        assert run["rows_pruned"] > 0 and run["receipts_pruned"] > 0, retained
+        assert run["entries_trimmed"] > 0 and retained["trimmed_recorded"] > 0, retained
+        # The ledger and the tables agree on what was pruned.
+        assert retained["outbox_rows"] + run["rows_pruned"] == run["events"]
+        assert retained["receipts_pruned"] == run["receipts_pruned"]
+        assert run["rows_missing"] == run["receipts_pruned_wrongly"] == 0
+        assert run["foreign_receipts"] == run["lost_receipts"] == 0
     postgres = next(r for r in report["runs"] if r["database"] == "postgresql")
     assert postgres["infra_faults"].get(DB_FAULT, 0) >= 1
     assert proc.returncode == 0

@@ -87,3 +87,31 @@ def test_an_after_commit_failure_logs_its_traceback_with_the_event_id(
     assert record.exc_info is not None and record.exc_info[0] is RuntimeError
     line = JsonFormatter().format(record)
     assert SECRET not in line and "Traceback" in line and '"group": "g1"' in line
+
+
+def test_a_database_error_in_a_handler_keeps_the_statement_and_its_data_out_of_warning(
+    engine: Engine, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A handler whose statement the database refuses: the WARNING shows the handler's frames
+    and the error class, never the SQL text or its parameters (event data); DEBUG has them."""
+    from sqlalchemy import text
+
+    statement = text("INSERT INTO no_such_table (x) VALUES (:x)")
+    card = "-".join(("card", "4242"))  # the traceback shows source lines: keep it out of them
+
+    def handler(conn: Connection, ev: Event) -> None:
+        conn.execute(statement, {"x": card})
+
+    handlers = Handlers()
+    handlers.register("*", handler)
+    ev = event("sql", 1)
+    with caplog.at_level(logging.DEBUG, logger="consumer"):
+        (outcome,) = inbox.claim(engine, "g", [inbox.Delivery("k:0", "1-1", ev, 1)], handlers)
+    assert outcome.outcome == inbox.FAILED
+    records = failure_records(caplog, ev.id)
+    (warning,) = [r for r in records if r.levelno == logging.WARNING]
+    line = JsonFormatter().format(warning)
+    assert "card-4242" not in line and "no_such_table" not in line
+    assert "in handler" in line and "the database refused a statement" in line
+    debug = [r for r in caplog.records if r.levelno == logging.DEBUG and r.exc_info]
+    assert any("card-4242" in logging.Formatter().format(r) for r in debug)

@@ -10,7 +10,7 @@ import redis
 from sqlalchemy import Engine, func, select
 
 from cli import status
-from consumer import streams
+from consumer import dead_letters, streams
 from consumer.daemon import Consumer
 from consumer.handlers import Handlers
 from producer import Producer
@@ -235,6 +235,14 @@ def test_entries_trimmed_while_pending_get_a_lost_receipt_and_a_letter_never_a_s
     assert {f[b"dlq.reason"] for _, f in letters} == {b"lost"}
     assert all(b"data" in f and b"type" in f for _, f in letters)  # what the outbox knows
     assert consumer.stats.lost == 4
+    # An operator replays the letters: the events are applied (the lost receipts give way).
+    replayed = [dead_letters.replay(redis_client, engine, letter, handlers, group="g")
+                for letter in dead_letters.list_letters(redis_client, key_prefix)]
+    assert sorted(r.outcome for r in replayed) == ["applied"] * 4
+    with engine.connect() as conn:
+        outcomes = dict(conn.execute(
+            select(inbox.c.event_id, inbox.c.outcome).where(inbox.c.group_name == "g")).all())
+    assert outcomes == {f"evt-{n:05d}": "applied" for n in (0, 1, 2, 3, 6, 7, 8, 9)}
     # The 2 trimmed before anyone read them were never delivered to the group: Redis cannot
     # tell anyone about them; the relay's trim never does this (it keeps unread entries).
 

@@ -127,3 +127,37 @@ def test_invalid_flags_become_one_config_error() -> None:
         options.load_settings(RelaySettings, parser.parse_args(["--partitions", "0"]))
     assert info.value.code == "invalid_config"
     assert "partitions" in info.value.message
+
+
+def test_durations_accept_units_and_off() -> None:
+    s = RelaySettings(retention_delivered="15m", retention_inbox="2h", stream_keep_s="90s",
+                      retention_runs="off")
+    assert (s.retention_delivered, s.retention_inbox, s.stream_keep_s, s.retention_runs) == (
+        900.0, 7200.0, 90.0, 0.0)
+    with pytest.raises(ValidationError, match="not a duration"):
+        RelaySettings(retention_delivered="a week")
+
+
+def test_receipts_must_outlive_every_redelivery() -> None:
+    with pytest.raises(ValidationError, match="retention_delivered \\+ stream_keep_s"):
+        ConsumerSettings(retention_delivered="1h", retention_inbox="1h", stream_keep_s="1m")
+    with pytest.raises(ValidationError, match="needs retention_delivered or stream_trim"):
+        ConsumerSettings(retention_delivered="off", stream_trim=False)
+    # trimming on: receipts are pruned only below the trim floor, whatever the outbox keeps
+    assert ConsumerSettings(retention_delivered="off").retention_inbox == 14 * 86400
+    assert ConsumerSettings(retention_inbox="off", retention_delivered="off",
+                            stream_trim=False).retention_inbox == 0
+
+
+def test_the_removed_maxlen_setting_is_refused_with_its_new_name(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("OUTBOX_STREAM_MAXLEN", "1000")
+    with pytest.raises(ValidationError, match="OUTBOX_STREAM_MAXLEN_UNSAFE"):
+        RelaySettings()
+
+
+def test_log_level_is_validated() -> None:
+    assert RelaySettings(log_level="debug").log_level == "DEBUG"
+    with pytest.raises(ValidationError, match="not one of"):
+        RelaySettings(log_level="verbose")

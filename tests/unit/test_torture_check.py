@@ -22,7 +22,7 @@ from sqlalchemy import Engine, select, update
 from shared import db, keys
 from shared.db import now_ms
 from shared.schema import inbox, inbox_heads, outbox, stream_trims
-from torture import app, check, ledger
+from torture import app, check, ledger, order
 
 PREFIX = "tc"
 GROUP = "torture"
@@ -150,7 +150,7 @@ def world(tmp_path: Path) -> Iterator[World]:
 
 
 def all_in_stream(w: World) -> None:
-    for event_id in sorted(w.entry_ids, key=lambda e: check.entry_key(w.entry_ids[e])):
+    for event_id in sorted(w.entry_ids, key=lambda e: order.entry_key(w.entry_ids[e])):
         w.entry(event_id)
 
 
@@ -280,9 +280,9 @@ def test_superseded_counts_only_a_newer_revision_applied_by_the_same_group() -> 
 
     types = {T1: "item.touched", T2: "item.touched"}
     receipts = [row("a", T1, "superseded", 1), row("b", T2, "applied", 2)]
-    assert check.superseded_latest(receipts, types, app.is_strict) == set()
+    assert order.superseded_latest(receipts, types, app.is_strict) == set()
     receipts.append(row("a", T2, "applied", 2))
-    assert check.superseded_latest(receipts, types, app.is_strict) == {("a", T1)}
+    assert order.superseded_latest(receipts, types, app.is_strict) == {("a", T1)}
 
 
 def test_lost_and_duplicate_entries(world: World) -> None:
