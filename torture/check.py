@@ -220,10 +220,14 @@ def consumers_per_group(client: redis.Redis, stream_keys: Iterable[str]) -> dict
         if not client.exists(key):
             continue
         for group in client.xinfo_groups(key):
-            name = group["name"].decode() if isinstance(group["name"], bytes) else group["name"]
+            name = _text(group["name"])
             for consumer in client.xinfo_consumers(key, name):
-                names[name].add(str(consumer["name"]))
+                names[name].add(_text(consumer["name"]))
     return {group: len(found) for group, found in sorted(names.items())}
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def snapshot(engine: Engine, *, check_runs: bool) -> Snapshot:
@@ -377,7 +381,9 @@ def _pruned_receipts(
         v.redeliveries += int(r.duplicates)
         what = f"{r.group_name}/{r.event_id} from {r.stream_key} {r.entry_id}"
         for _ in range(int(r.inserts) - 1):
-            v.note("receipts_recreated", what)
+            v.note("receipts_recreated", f"{what}, pruned {r.pruned_at_ms} (floor then "
+                                         f"{r.floor_at_prune}), received again from "
+                                         f"{r.last_entry_id}, marked at {marked.get(r.event_id)}")
         expected = marked.get(r.event_id)
         if r.outcome == LOST:
             v.note("lost_receipts", what)

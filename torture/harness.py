@@ -273,8 +273,9 @@ def run_one(kind: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
             child.stop()
         server.stop()
     repaired = sum(c.repaired_entries() for c in kids if c.kind == "relay")
-    # The consumers log each failed handler call with its exception's name.
-    handler_failures = sum(c.count_in_logs(app.TransientError.__name__.encode())
+    # The consumers log each failed handler call at WARNING, ending with its exception's name
+    # (its traceback follows, naming it again: not counted).
+    handler_failures = sum(c.count_in_logs(f": {app.TransientError.__name__}\n".encode())
                            for c in kids if c.kind == "consumer")
     violations = verdict.violations(runs_must_finish=args.run_worker)
     missing = [p for p in chaos.points if not tally.kills[p]]

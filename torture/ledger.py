@@ -13,7 +13,8 @@ triggers that copy every change of those tables into tables the daemons never to
   delivered entry id changes) and counts it in ``marks`` (1 for a healthy event). A ``DELETE``
   trigger stamps ``pruned_at_ms`` (the database's clock).
 - ``torture_receipt_ledger``: one row per ``(group, event id)`` receipt; ``entry_id`` is the
-  stream entry the group first received the event from (never changed), ``outcome``/``reason``/
+  stream entry the group first received the event from (never changed; ``last_entry_id`` that
+  of the latest insert), ``outcome``/``reason``/
   ``duplicates``/``created_at_ms`` follow the receipt's updates, ``inserts`` counts its inserts
   (above 1: the receipt was pruned and the event came back). The ``DELETE`` trigger stamps
   ``pruned_at_ms`` and ``floor_at_prune``: the trim floor of the event's partition stream at
@@ -73,6 +74,7 @@ receipts = Table(
     Column("event_id", String(512), nullable=False),
     Column("stream_key", String(256), nullable=False),
     Column("entry_id", String(48), nullable=False),
+    Column("last_entry_id", String(48)),  # of the latest insert (a recreated receipt's)
     Column("outcome", String(16), nullable=False),
     Column("reason", String(64)),
     Column("duplicates", Integer, nullable=False),
@@ -127,6 +129,7 @@ _TRIGGERS: list[tuple[str, str, str, str, list[str]]] = [
         f"INSERT INTO torture_receipt_ledger ({_RECEIPT_COLUMNS}, inserts) "
         f"VALUES ({_NEW_RECEIPT}, 0) ON CONFLICT (group_name, event_id) DO NOTHING",
         "UPDATE torture_receipt_ledger SET inserts = inserts + 1, outcome = NEW.outcome, "
+        "last_entry_id = NEW.entry_id, "
         "reason = NEW.reason, duplicates = NEW.duplicates, created_at_ms = NEW.created_at_ms "
         "WHERE group_name = NEW.group_name AND event_id = NEW.event_id",
     ]),
