@@ -68,7 +68,8 @@ def register_relay(relay: Relay, settings: RelaySettings) -> None:
 
     def run() -> None:
         result = prune_delivered(relay.engine, settings.retention_delivered,
-                                 batch=settings.prune_batch, max_batches=PASS_BATCHES)
+                                 batch=settings.prune_batch, max_batches=PASS_BATCHES,
+                                 below_trim_floor=settings.stream_trim)
         stats.passes += 1
         stats.outbox_rows += result.rows
         _catch_up(task, result.more)
@@ -86,7 +87,7 @@ def register_consumer(consumer: Consumer, settings: ConsumerSettings) -> None:
     if settings.retention_inbox <= 0 and settings.retention_runs <= 0:
         return
     pruner = InboxPruner(consumer.engine, consumer.client, settings.retention_inbox,
-                         batch=settings.prune_batch)
+                         batch=settings.prune_batch, below_trim_floor=settings.stream_trim)
     task = Periodic("retention", settings.prune_interval_s, lambda: None)
     stats = consumer.prune_stats = ConsumerPruneStats()
 
@@ -151,19 +152,23 @@ def prune_all(engine: Engine, settings: RetentionSettings, *, dry_run: bool) -> 
         "outbox_events": None, "outbox_inbox": None, "outbox_inbox_heads": None,
         "outbox_runs": None,
     }
-    kept = {"dead_letter_exists": 0, "above_trim_floor": 0}
+    kept = {"dead_letter_exists": 0, "above_trim_floor": 0, "row_undelivered": 0}
     if settings.retention_delivered > 0:
         pruned["outbox_events"] = prune_delivered(
-            engine, settings.retention_delivered, batch=batch, dry_run=dry_run).rows
+            engine, settings.retention_delivered, batch=batch, dry_run=dry_run,
+            below_trim_floor=settings.stream_trim).rows
     if settings.retention_inbox > 0:
         client = connect_redis(settings.redis_url)
         try:
-            inbox: InboxPruned = InboxPruner(engine, client, settings.retention_inbox,
-                                             batch=batch).prune(dry_run=dry_run)
+            inbox: InboxPruned = InboxPruner(
+                engine, client, settings.retention_inbox, batch=batch,
+                below_trim_floor=settings.stream_trim,
+            ).prune(dry_run=dry_run)
         finally:
             client.close()
         pruned["outbox_inbox"], pruned["outbox_inbox_heads"] = inbox.receipts, inbox.heads
-        kept = {"dead_letter_exists": inbox.kept_letter, "above_trim_floor": inbox.kept_floor}
+        kept = {"dead_letter_exists": inbox.kept_letter, "above_trim_floor": inbox.kept_floor,
+                "row_undelivered": inbox.kept_undelivered}
     if settings.retention_runs > 0:
         pruned["outbox_runs"] = prune_terminal_runs(
             engine, settings.retention_runs, batch=batch, dry_run=dry_run)[0]

@@ -14,15 +14,20 @@ so a receipt is pruned only when its event cannot come back and nobody needs its
     receipts of every group. A letter only disappears later (replay, dead-letter retention);
     the receipt goes at a later pass.
 (b) **Only when the event cannot come back.** Besides its age (``created_at_ms`` older than
-    ``retention_inbox`` by the database's clock): if the database has a trim floor for the
-    receipt's partition stream (``outbox_stream_trims``, raised by the relay after each trim;
-    a row at ``0-0`` means never trimmed and counts as no floor), the receipt's entry id
-    must be below that floor (ids compared as numbers: ms,
-    then seq), i.e. the entry is gone from the stream and a repair never refills it. A receipt
-    at or above the floor, or whose entry id does not parse, is kept. Without a trim row (the
-    inbox in another database than the outbox, or trimming off) age alone decides: the settings
-    refuse ``retention_inbox < retention_delivered + stream_keep_s``, so by then the outbox row
-    a repair could refill is gone and the stream no longer keeps the entry for new readers.
+    ``retention_inbox`` by the database's clock):
+
+    * with trimming (``stream_trim``, the default, as the relays run), the receipt's entry id
+      must be below its stream's trim floor (``outbox_stream_trims``, raised by the relay
+      after each trim; ids compared as numbers): every group acknowledged it, the stream no
+      longer holds it, and a repair never refills it. No floor row, or ``0-0`` (never
+      trimmed), keeps every receipt of that stream — so does an inbox in another database than
+      the outbox: run those consumers with ``stream_trim`` off to prune by age;
+    * without trimming, age alone decides: the settings refuse ``retention_inbox <
+      retention_delivered + stream_keep_s``, so by then the outbox row a repair could refill
+      is gone;
+    * in both cases, a receipt whose event's outbox row (same database) is not marked delivered
+      stays: the relay may append it again under the same id (it died after its ``XADD``,
+      and Redis then lost the entry).
 
 **Heads** (``outbox_inbox_heads``: each aggregate's applied revision) are pruned when they have
 not moved for ``retention_inbox`` (``updated_at_ms``, set by every raise of the head): an event
@@ -50,7 +55,7 @@ from consumer.ordering import APPLIED, SUPERSEDED
 from shared import keys
 from shared.db import db_now_ms, is_postgres, translate_errors
 from shared.redis_conn import translate_redis_errors
-from shared.schema import inbox, inbox_heads, stream_trims
+from shared.schema import inbox, inbox_heads, outbox, stream_trims
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +85,7 @@ class InboxPruned:
     heads: int = 0
     kept_letter: int = 0
     kept_floor: int = 0
+    kept_undelivered: int = 0
     more: bool = False
 
 
@@ -110,9 +116,11 @@ class InboxPruner:
     """
 
     def __init__(
-        self, engine: Engine, client: redis.Redis, retention_s: float, *, batch: int
+        self, engine: Engine, client: redis.Redis, retention_s: float, *, batch: int,
+        below_trim_floor: bool = True,
     ) -> None:
         self.engine = engine
+        self.below_trim_floor = below_trim_floor
         self.client = client
         self.retention_ms = int(retention_s * 1000)
         self.batch = batch
@@ -154,9 +162,12 @@ class InboxPruner:
             self._cursor = (rows[-1].created_at_ms, rows[-1].group_name,
                             rows[-1].event_id) if full else None
             chosen: list[tuple[str, str]] = []
+            undelivered = self._undelivered([r.event_id for r in rows])
             for r in rows:
-                if not _below_floor(r.stream_key, r.entry_id, floors):
+                if not _below_floor(r.stream_key, r.entry_id, floors, self.below_trim_floor):
                     out.kept_floor += 1
+                elif r.event_id in undelivered:
+                    out.kept_undelivered += 1
                 elif r.outcome not in SETTLED and self._lettered(letters, r):
                     out.kept_letter += 1
                 else:
@@ -168,6 +179,21 @@ class InboxPruner:
         # Soon again only if this pass deleted something: a pass that met only receipts that
         # must stay goes on from its cursor at the next interval, not in a tight loop.
         out.more = self._cursor is not None and deleted > 0
+
+    def _undelivered(self, event_ids: list[str]) -> set[str]:
+        """The events among ``event_ids`` whose outbox row (same database) is not marked
+        delivered: the relay may still append them again (under the same id after a Redis
+        loss), so their receipts stay."""
+        found: set[str] = set()
+        with self.engine.connect() as conn:
+            for i in range(0, len(event_ids), KEYS_PER_STATEMENT):
+                found |= set(conn.execute(
+                    select(outbox.c.event_id).where(
+                        outbox.c.event_id.in_(event_ids[i : i + KEYS_PER_STATEMENT]),
+                        outbox.c.delivered_at_ms.is_(None),
+                    )
+                ).scalars())
+        return found
 
     def _candidates(self, cutoff: int) -> list[Any]:
         """The next ``batch`` receipts older than ``cutoff`` after the cursor, oldest first."""
@@ -291,18 +317,22 @@ def _floors(conn: Connection) -> dict[tuple[str, int], tuple[int, int]]:
     """Every trim floor, parsed; a floor that does not parse protects nothing below ``0-0``."""
     rows = conn.execute(select(stream_trims.c.stream, stream_trims.c.partition,
                                stream_trims.c.floor_entry_id))
-    parsed = {(s, p): entry_key(f) or (0, 0) for s, p, f in rows}
-    return {k: v for k, v in parsed.items() if v != (0, 0)}  # 0-0: known, never trimmed
+    return {(s, p): entry_key(f) or (0, 0) for s, p, f in rows}
 
 
 def _below_floor(
-    stream_key: str, entry_id: str, floors: dict[tuple[str, int], tuple[int, int]]
+    stream_key: str, entry_id: str, floors: dict[tuple[str, int], tuple[int, int]],
+    trimming: bool,
 ) -> bool:
-    """Condition (b): True without a trim floor for the partition, else entry id < floor."""
+    """Condition (b). With trimming (the relays trim: ``stream_trim``): the entry id is below
+    its stream's trim floor (no row, or ``0-0``: never trimmed, nothing is below). Without:
+    True (age alone decides, with the settings' ``retention_inbox`` bound)."""
+    if not trimming:
+        return True
     partition = partition_of(stream_key)
     floor = floors.get(partition) if partition is not None else None
     if floor is None:
-        return True
+        return False
     entry = entry_key(entry_id)
     return entry is not None and entry < floor
 

@@ -15,6 +15,12 @@ What is guaranteed:
   retention, read once per pass, so a host whose clock is off prunes neither early nor late by
   its own error.
 
+* **Only what no group still needs** (with ``stream_trim``, the default): a row is pruned only
+  below its stream's trim floor (relay/trim.py: every group acknowledged it and the stream no
+  longer holds it). A row above the floor may be the only copy left to refill a stream after a
+  Redis loss, for a group that has not read it yet. With trimming off, age alone decides: a
+  group lagging longer than ``retention_delivered`` then loses what Redis loses.
+
 A pruned row can no longer be refilled by a repair: that is why the consumer's receipts must
 outlive it (``retention_inbox >= retention_delivered + stream_keep_s``, checked by the
 settings).
@@ -23,11 +29,12 @@ settings).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from sqlalchemy import Engine, delete, func, select
 
 from shared.db import db_now_ms, is_postgres, translate_errors
-from shared.schema import outbox
+from shared.schema import outbox, stream_trims
 
 
 @dataclass
@@ -53,6 +60,7 @@ def prune_delivered(
     batch: int,
     max_batches: int | None = None,
     dry_run: bool = False,
+    below_trim_floor: bool = True,
 ) -> Pruned:
     """Delete delivered rows older than ``retention_s`` seconds, ``batch`` rows per transaction,
     at most ``max_batches`` transactions (``None``: until none is left).
@@ -64,7 +72,19 @@ def prune_delivered(
         return Pruned(0, False)
     with translate_errors():
         cutoff = _cutoff_ms(engine, retention_s)
-        old = (outbox.c.delivered_at_ms.is_not(None), outbox.c.delivered_at_ms < cutoff)
+        old: tuple[Any, ...] = (outbox.c.delivered_at_ms.is_not(None),
+                                outbox.c.delivered_at_ms < cutoff)
+        if below_trim_floor:
+            # Only what every group acknowledged and the relay trimmed: a row above the floor
+            # may still be needed to refill the stream after a Redis loss (a lagging group).
+            # Floors are "<ms>-0" and ids have 13-digit ms, so text order is id order here.
+            floor = (
+                select(stream_trims.c.floor_entry_id)
+                .where(stream_trims.c.stream == outbox.c.stream,
+                       stream_trims.c.partition == outbox.c.partition)
+                .scalar_subquery()
+            )
+            old += (outbox.c.entry_id < floor,)
         if dry_run:
             with engine.connect() as conn:
                 return Pruned(int(conn.execute(select(func.count()).where(*old)).scalar_one()),

@@ -431,6 +431,17 @@ def _register(conn: Connection, pairs: set[tuple[str, int]], now: int) -> None:
     )
 
 
+def unsettled_ms(engine: Engine, partition: int) -> int | None:
+    """The millisecond of the oldest batch recorded on the partition's lease row and not yet
+    settled (appended or not: a relay may have died after its XADD), or None. The trim keeps
+    every entry from it up: the retry of that batch must find its entries where it left them."""
+    with translate_errors(), engine.connect() as conn:
+        text = conn.execute(
+            select(relay_leases.c.inflight).where(relay_leases.c.partition == partition)
+        ).scalar_one_or_none()
+    return min((b.ms for b in load_batches(text or "[]")), default=None)
+
+
 def trim_floor(engine: Engine, stream: str, partition: int) -> str:
     """The trim floor of ``(stream, partition)`` (``"<ms>-0"``), or ``"0-0"`` if never trimmed."""
     with translate_errors(), engine.connect() as conn:

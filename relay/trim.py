@@ -12,6 +12,10 @@ can move between the decision and the trim:
   consumers may simply not have started yet);
 * the newest ``stream_keep`` entries and every entry younger than ``stream_keep_s`` are kept
   (for a group created later, and for ``redis-cli`` inspection);
+* every entry of a batch the partition's lease row still records as unsettled is kept: a relay
+  that died after its ``XADD`` and before marking leaves the batch to be retried under the same
+  ids, and the retry must find those entries there (trimmed, they would look like a gap and be
+  appended a second time);
 * the threshold is a whole millisecond (``<ms>-0``: the millisecond of the first entry still
   needed, so every entry below it is not needed) so the database can select the rows at or
   above it by entry id text (13-digit milliseconds sort as text); when nothing is needed, the
@@ -48,7 +52,8 @@ from shared.settings import RetentionSettings
 
 log = logging.getLogger(__name__)
 
-# KEYS: stream, fence key. ARGV: epoch, keep (entries), cutoff ms (entries at or after it kept).
+# KEYS: stream, fence key. ARGV: epoch, keep (entries), cutoff ms (entries at or after it kept),
+# cap ms ('' for none: entries from this millisecond up belong to an unsettled batch; kept).
 # Returns {threshold "<ms>-0" or "" (nothing trimmed), entries trimmed, length after}.
 # allow-oom: trimming is how a stream gives memory back; refusing it under maxmemory would
 # keep Redis full.
@@ -77,7 +82,10 @@ for _, g in ipairs(groups) do
   if below(ms, seq, t_ms, t_seq) then t_ms, t_seq = ms, seq end
 end
 local cutoff = tonumber(ARGV[3])
-if cutoff < t_ms then t_ms, t_seq = cutoff, 0 end
+if below(cutoff, 0, t_ms, t_seq) then t_ms, t_seq = cutoff, 0 end
+if ARGV[4] ~= '' and below(tonumber(ARGV[4]), 0, t_ms, t_seq) then
+  t_ms, t_seq = tonumber(ARGV[4]), 0
+end
 local keep = tonumber(ARGV[2])
 local length = redis.call('XLEN', KEYS[1])
 if length <= keep then return {'', 0, length} end
@@ -130,9 +138,12 @@ class Trimmer:
         if not self.settings.stream_trim or not leases:
             return 0
         removed = 0
+        caps: dict[int, int | None] = {}
         for stream, partition in sorted(k for k in streams if k[1] in leases):
+            if partition not in caps:
+                caps[partition] = store.unsettled_ms(self.engine, partition)
             try:
-                removed += self.trim(stream, partition, leases[partition])
+                removed += self.trim(stream, partition, leases[partition], caps[partition])
             except LeaseLostError:
                 self.stats.trim_fenced += 1
                 log.info("trim of %s:%s skipped: a newer relay owns the stream", stream, partition)
@@ -143,8 +154,10 @@ class Trimmer:
                             extra={"stream": stream, "partition": partition})
         return removed
 
-    def trim(self, stream: str, partition: int, epoch: int) -> int:
-        """Trim one stream as the owner of ``epoch``, then record its floor; entries removed."""
+    def trim(self, stream: str, partition: int, epoch: int, cap_ms: int | None = None) -> int:
+        """Trim one stream as the owner of ``epoch``, then record its floor; entries removed.
+        ``cap_ms``: the partition's oldest unsettled batch (:func:`relay.store.unsettled_ms`);
+        nothing from that millisecond up is trimmed."""
         s = self.settings
         cutoff = now_ms() - int(s.stream_keep_s * 1000)
         threshold, trimmed, _length = fence.run_fenced(
@@ -152,7 +165,7 @@ class Trimmer:
             SCRIPT,
             [keys.stream_key(s.key_prefix, stream, partition),
              keys.fence_key(s.key_prefix, stream, partition)],
-            [epoch, s.stream_keep, cutoff],
+            [epoch, s.stream_keep, cutoff, "" if cap_ms is None else cap_ms],
         )
         self.stats.trims += 1
         floor = threshold.decode() if isinstance(threshold, bytes) else str(threshold)

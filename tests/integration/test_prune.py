@@ -48,6 +48,29 @@ OUTBOX = Path(sys.executable).with_name("outbox")
 
 # -- helpers -----------------------------------------------------------------------------------
 
+EVERYTHING_TRIMMED = "9999999999999-0"
+
+
+def set_floor(engine: Engine, partition: int, floor: str, stream: str = STREAM) -> None:
+    """The trim floor of ``(stream, partition)``: everything below it was trimmed."""
+    with engine.begin() as conn:
+        conn.execute(stream_trims.delete().where(stream_trims.c.stream == stream,
+                                                 stream_trims.c.partition == partition))
+        conn.execute(insert(stream_trims).values(stream=stream, partition=partition,
+                                                 floor_entry_id=floor, trimmed=1,
+                                                 updated_at_ms=now_ms()))
+
+
+@pytest.fixture(autouse=True)
+def _streams_trimmed(request: pytest.FixtureRequest) -> None:
+    """Most tests here are about age, letters and batches: their streams count as trimmed
+    above every entry, so the trim-floor condition holds (tests of that condition set their
+    own floors with :func:`set_floor`)."""
+    if "engine" in request.fixturenames:
+        engine = request.getfixturevalue("engine")
+        for p in range(16):
+            set_floor(engine, p, EVERYTHING_TRIMMED)
+
 
 def add_outbox(engine: Engine, n: int, *, delivered_days_ago: float | None,
                start: int = 0) -> None:
@@ -198,10 +221,7 @@ def test_receipt_at_or_above_the_trim_floor_is_kept(
 ) -> None:
     trimmed = keys.stream_key(key_prefix, STREAM, 0)
     untrimmed = keys.stream_key(key_prefix, STREAM, 1)
-    with engine.begin() as conn:
-        conn.execute(insert(stream_trims).values(
-            stream=STREAM, partition=0, floor_entry_id="100-10", trimmed=1,
-            updated_at_ms=now_ms()))
+    set_floor(engine, 0, "100-10")
     # Ids compare as numbers: "9-0" and "100-5" are below "100-10" (not as text).
     for entry_id in ("9-0", "100-5", "100-10", "100-11", "101-0"):
         add_receipt(engine, f"t-{entry_id}", days_ago=30, stream_key=trimmed, entry_id=entry_id)
@@ -216,9 +236,7 @@ def test_kept_receipts_never_stall_the_scan(
     engine: Engine, redis_client: redis.Redis, key_prefix: str
 ) -> None:
     key = keys.stream_key(key_prefix, STREAM, 0)
-    with engine.begin() as conn:
-        conn.execute(insert(stream_trims).values(
-            stream=STREAM, partition=0, floor_entry_id="1-0", updated_at_ms=now_ms()))
+    set_floor(engine, 0, "1-0")
     for i in range(6):  # the oldest: kept (above the floor)
         add_receipt(engine, f"kept-{i}", days_ago=40, stream_key=key, entry_id=f"5-{i}")
     other = keys.stream_key(key_prefix, STREAM, 2)
@@ -493,3 +511,45 @@ def test_pruning_survives_a_long_dead_letter_stream(
     assert (result.receipts, result.kept_letter) == (1, 1)
     assert receipt_ids(engine) == {"mine"}
 
+
+
+# -- what is still needed stays ----------------------------------------------------------------
+
+
+def test_rows_above_the_trim_floor_stay_while_trimming_is_on(engine: Engine) -> None:
+    """A delivered row above its stream's floor may be the only copy left to refill the stream
+    for a group that has not read it yet: pruned only once trimmed (or by age, trimming off)."""
+    now = now_ms()
+    set_floor(engine, 0, f"{now}-0")
+    add_outbox(engine, 2, delivered_days_ago=10)  # entry ids "<now>-<i>": at the floor's ms
+    set_floor(engine, 1, "0-0")  # known, never trimmed
+    with engine.begin() as conn:
+        conn.execute(update(outbox).where(outbox.c.event_id.like("ev-1-%"))
+                     .values(partition=1))
+    assert prune_delivered(engine, 86400, batch=100).rows == 0
+    set_floor(engine, 0, EVERYTHING_TRIMMED)  # trimmed past them
+    assert prune_delivered(engine, 86400, batch=100).rows == 1
+    assert prune_delivered(engine, 86400, batch=100, below_trim_floor=False).rows == 1
+
+
+def test_receipts_of_untrimmed_streams_and_undelivered_rows_stay(
+    engine: Engine, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    stream_key = keys.stream_key(key_prefix, STREAM, 3)
+    with engine.begin() as conn:
+        conn.execute(stream_trims.delete().where(stream_trims.c.partition == 3))
+    add_receipt(engine, "no-floor", days_ago=30, stream_key=stream_key, entry_id="5-1")
+    kept = InboxPruner(engine, redis_client, 86400, batch=10).prune()
+    assert (kept.receipts, kept.kept_floor) == (0, 1)  # trimming on: no floor, no pruning
+    aged = InboxPruner(engine, redis_client, 86400, batch=10, below_trim_floor=False).prune()
+    assert aged.receipts == 1  # trimming off: age decides
+
+    # The relay appended it and died before marking: it may append it again, same id.
+    add_outbox(engine, 1, delivered_days_ago=None, start=7)
+    add_receipt(engine, "ev-7-None", days_ago=30, stream_key=keys.stream_key(
+        key_prefix, STREAM, 0), entry_id="5-2")
+    for below in (True, False):
+        result = InboxPruner(engine, redis_client, 86400, batch=10,
+                             below_trim_floor=below).prune()
+        assert (result.receipts, result.kept_undelivered) == (0, 1)
+    assert receipt_ids(engine) == {"ev-7-None"}

@@ -274,3 +274,35 @@ def test_a_vanished_entry_that_was_already_handled_is_just_acknowledged(
         outcomes = conn.execute(select(inbox.c.outcome).where(
             inbox.c.group_name == "g")).scalars().all()
     assert sorted(outcomes) == ["applied"] * 3
+
+
+def test_a_batch_appended_but_never_marked_is_not_trimmed_before_its_retry(
+    engine: Engine, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    """A relay dies after its XADD, before marking; every group reads and acknowledges the
+    entries. The next trim must keep them: the retry of the recorded batch (same ids) has to
+    find them, or it would call them a gap and append every event a second time."""
+    from relay import append
+
+    _enqueue(engine, key_prefix, 0, 2)
+    key = _key(key_prefix)
+    redis_client.xgroup_create(key, "g", id="0", mkstream=True)
+    relay = _relay(engine, redis_client, key_prefix)
+    _enqueue(engine, key_prefix, 2, 3)
+    epoch = _epoch(relay)
+    rows = relay._claim(0, epoch, None)  # recorded on the lease row...
+    append.append(redis_client, key_prefix, rows, epoch)  # ...appended, never marked
+    appended = {r.event_id: r.entry_id for r in rows}
+    assert _read_ack(redis_client, key, "g", 10) == 5
+
+    relay.repairer.maybe_run(relay.leases)
+    relay.trimmer.run(relay.leases, relay.repairer.streams)
+    assert _ids(redis_client, key) == sorted(appended.values(), key=entry_ids.parse)
+    stats = relay.run(until_idle=True)  # the retry: the same ids, already there
+
+    assert (stats.ordering_gaps, stats.already_present) == (0, 3)
+    with engine.connect() as conn:
+        marked = dict(conn.execute(select(outbox.c.event_id, outbox.c.entry_id).where(
+            outbox.c.event_id.in_(list(appended)))).all())
+    assert marked == appended
+    assert redis_client.xreadgroup("g", "c1", {key: ">"}) == []  # nothing delivered twice
