@@ -22,7 +22,7 @@ from __future__ import annotations
 from sqlalchemy import Engine, delete, func, select
 
 from shared import runstate as rs
-from shared.db import db_now_ms, is_postgres, translate_errors
+from shared.db import db_now_ms, delete_in_batches, is_postgres, translate_errors
 from shared.schema import runs
 
 
@@ -55,12 +55,4 @@ def prune_terminal_runs(
         if postgres:
             picked = picked.with_for_update(skip_locked=True)
         statement = delete(runs).where(runs.c.id.in_(picked.scalar_subquery()))
-        total = done = 0
-        while max_batches is None or done < max_batches:
-            with engine.begin() as conn:
-                deleted = int(conn.execute(statement).rowcount or 0)
-            total += deleted
-            done += 1
-            if deleted < batch:
-                return total, False
-        return total, True
+        return delete_in_batches(engine, statement, batch, max_batches)

@@ -33,7 +33,7 @@ from typing import Any
 
 from sqlalchemy import Engine, delete, func, select
 
-from shared.db import db_now_ms, is_postgres, translate_errors
+from shared.db import db_now_ms, delete_in_batches, is_postgres, translate_errors
 from shared.schema import outbox, stream_trims
 
 
@@ -95,15 +95,8 @@ def prune_delivered(
         if is_postgres(engine):
             picked = picked.with_for_update(skip_locked=True)
         statement = delete(outbox).where(outbox.c.seq.in_(picked.scalar_subquery()))
-        total = done = 0
-        while max_batches is None or done < max_batches:
-            with engine.begin() as conn:
-                deleted = int(conn.execute(statement).rowcount or 0)
-            total += deleted
-            done += 1
-            if deleted < batch:
-                return Pruned(total, False)
-        return Pruned(total, True)
+        rows, more = delete_in_batches(engine, statement, batch, max_batches)
+        return Pruned(rows, more)
 
 
 def _cutoff_ms(engine: Engine, retention_s: float) -> int:

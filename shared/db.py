@@ -24,6 +24,7 @@ from sqlalchemy import (
     ColumnClause,
     ColumnElement,
     Connection,
+    Delete,
     Engine,
     bindparam,
     cast,
@@ -205,6 +206,24 @@ def json_recordset(name: str, *columns: ColumnClause[Any]) -> TableValuedAlias:
         .table_valued(*columns)
         .render_derived(name="given", with_types=True)
     )
+
+
+def delete_in_batches(
+    engine: Engine, statement: Delete, batch: int, max_batches: int | None
+) -> tuple[int, bool]:
+    """Run a ``DELETE`` that removes at most ``batch`` rows (its own ``LIMIT`` subquery), one
+    transaction each, until it removes fewer or ``max_batches`` ran (``None``: no bound).
+    Returns ``(rows deleted, more)``: ``more`` when it stopped at the bound after a full batch.
+    Retention uses it so no transaction holds many rows, and no pass runs unbounded."""
+    total = done = 0
+    while max_batches is None or done < max_batches:
+        with engine.begin() as conn:
+            deleted = int(conn.execute(statement).rowcount or 0)
+        total += deleted
+        done += 1
+        if deleted < batch:
+            return total, False
+    return total, True
 
 
 def _alembic_config(conn: Connection) -> Config:
