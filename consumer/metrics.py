@@ -224,8 +224,12 @@ class StreamsCollector(Collector):
         dead = GaugeMetricFamily(f"{NAMESPACE}_dead_letters",
                                  "Entries in the stream's dead-letter stream (XLEN).",
                                  labels=["stream", "partition"])
+        length = GaugeMetricFamily(f"{NAMESPACE}_stream_entries",
+                                   "Entries the partition stream holds (XLEN): bounded by the "
+                                   "relay's trim once every group acknowledged them.",
+                                   labels=["stream", "partition"])
         now = now_ms()
-        for key, (summary, groups, dead_len) in zip(owned, replies, strict=True):
+        for key, (summary, groups, dead_len, stream_len) in zip(owned, replies, strict=True):
             stream, partition = c.leases.ids[key]
             values = [group, stream, str(partition)]
             if isinstance(summary, dict):
@@ -238,13 +242,18 @@ class StreamsCollector(Collector):
                 lag.add_metric(values, int(found["lag"]))
             if isinstance(dead_len, int):
                 dead.add_metric([stream, str(partition)], dead_len)
-        yield from (pending, oldest, lag, dead)
+            if isinstance(stream_len, int):
+                length.add_metric([stream, str(partition)], stream_len)
+        yield from (pending, oldest, lag, dead, length)
         yield scrape_up(NAMESPACE, {"redis": True}, {"group": group})
 
 
-def _stream_replies(consumer: Consumer, owned: list[str]) -> list[tuple[Any, Any, Any]]:
-    """Per owned key: (XPENDING summary, XINFO GROUPS, XLEN of its dead-letter stream), in
-    one pipeline; a command Redis refused (no group yet) leaves its error in place."""
+def _stream_replies(
+    consumer: Consumer, owned: list[str]
+) -> list[tuple[Any, Any, Any, Any]]:
+    """Per owned key: (XPENDING summary, XINFO GROUPS, XLEN of its dead-letter stream, XLEN of
+    the stream), in one pipeline; a command Redis refused (no group yet) leaves its error in
+    place."""
     if not owned:
         return []
     prefix, group = consumer.settings.key_prefix, consumer.settings.group
@@ -255,9 +264,10 @@ def _stream_replies(consumer: Consumer, owned: list[str]) -> list[tuple[Any, Any
             pipe.xpending(key, group)
             pipe.xinfo_groups(key)
             pipe.xlen(keys.dead_letter_key(prefix, stream, partition))
+            pipe.xlen(key)
         flat: list[Any] = pipe.execute(raise_on_error=False)
         _raise_unavailable(flat)
-    return [(flat[i], flat[i + 1], flat[i + 2]) for i in range(0, len(flat), 3)]
+    return [(flat[i], flat[i + 1], flat[i + 2], flat[i + 3]) for i in range(0, len(flat), 4)]
 
 
 def _raise_unavailable(replies: list[Any]) -> None:

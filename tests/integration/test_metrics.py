@@ -177,6 +177,9 @@ def test_scraped_numbers_match_the_database_and_redis(
             dead_keys = [keys.dead_letter_key(key_prefix, STREAM, p) for p in range(PARTITIONS)]
             assert total(c, "outbox_consumer_dead_letters") == \
                 sum(redis_client.xlen(k) for k in dead_keys) == 1
+            stream_keys = [keys.stream_key(key_prefix, STREAM, p) for p in range(PARTITIONS)]
+            assert total(c, "outbox_consumer_stream_entries") == \
+                sum(redis_client.xlen(k) for k in stream_keys) > 0
             assert total(c, "outbox_consumer_pending_entries") == 0
             assert total(c, "outbox_consumer_group_lag") == 0
             assert total(c, "outbox_consumer_leases_held", group=GROUP) == PARTITIONS
