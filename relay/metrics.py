@@ -81,6 +81,10 @@ TRIM_NAMES = {
     "trimmed_entries": ("entries", "Entries trimmed below what every group acknowledged."),
     "trim_fenced": ("fenced", "Trims refused by the fence (a newer lease owns the stream)."),
     "trim_errors": ("errors", "Trims Redis refused (ACL, wrong type): logged, retried."),
+    "trims_held": ("held", "Trims held because a group known to read the stream is missing "
+                   "from it (Redis lost it; its consumers have not recreated it)."),
+    "groups_forgotten": ("groups_forgotten", "Known groups forgotten after being missing "
+                         "longer than OUTBOX_GROUP_FORGET_S."),
 }
 
 PRUNE_NAMES = {

@@ -45,7 +45,7 @@ from relay.claim import (
 )
 from shared.db import db_now_ms, is_postgres, json_recordset, now_ms, translate_errors
 from shared.errors import LeaseLostError
-from shared.schema import outbox, relay_leases, relay_nodes, stream_trims
+from shared.schema import outbox, relay_leases, relay_nodes, stream_groups, stream_trims
 
 
 def _upsert(conn: Connection) -> Any:
@@ -474,6 +474,57 @@ def record_trim(
         conn.execute(update(stream_trims).where(*key).values(
             floor_entry_id=higher, trimmed=stream_trims.c.trimmed + trimmed, updated_at_ms=now,
         ))
+
+
+def known_groups(
+    engine: Engine, partitions: list[int]
+) -> dict[tuple[str, int], dict[str, int | None]]:
+    """The groups trims have seen on the streams of ``partitions``:
+    ``{(stream, partition): {group: missing since ms, or None while present}}``."""
+    if not partitions:
+        return {}
+    g = stream_groups.c
+    with translate_errors(), engine.connect() as conn:
+        rows = conn.execute(
+            select(g.stream, g.partition, g.group_name, g.missing_since_ms)
+            .where(g.partition.in_(partitions))
+        ).all()
+    found: dict[tuple[str, int], dict[str, int | None]] = {}
+    for stream, partition, group, missing in rows:
+        found.setdefault((stream, partition), {})[group] = missing
+    return found
+
+
+def record_groups(
+    engine: Engine,
+    stream: str,
+    partition: int,
+    *,
+    seen: list[str],
+    missing: list[str],
+    forget: list[str],
+    now: int,
+) -> None:
+    """Record what a trim found on ``(stream, partition)``: groups ``seen`` present (known from
+    now on; no longer missing), groups newly ``missing`` (since ``now``, unless already), and
+    groups to ``forget`` (missing too long)."""
+    g = stream_groups.c
+    at = (g.stream == stream, g.partition == partition)
+    with translate_errors(), engine.begin() as conn:
+        if seen:
+            conn.execute(
+                _upsert(conn)(stream_groups).on_conflict_do_nothing(),
+                [{"stream": stream, "partition": partition, "group_name": name,
+                  "seen_at_ms": now, "missing_since_ms": None} for name in sorted(seen)],
+            )
+            conn.execute(update(stream_groups).where(*at, g.group_name.in_(seen))
+                         .values(seen_at_ms=now, missing_since_ms=None))
+        if missing:
+            conn.execute(update(stream_groups)
+                         .where(*at, g.group_name.in_(missing), g.missing_since_ms.is_(None))
+                         .values(missing_since_ms=now))
+        if forget:
+            conn.execute(delete(stream_groups).where(*at, g.group_name.in_(forget)))
 
 
 def newest_delivered_id(engine: Engine, stream: str, partition: int) -> str | None:

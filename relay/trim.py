@@ -10,6 +10,13 @@ can move between the decision and the trim:
   those over all groups;
 * a stream with **no group** is never trimmed (nobody has acknowledged anything, and the
   consumers may simply not have started yet);
+* a stream missing a **known group** is not trimmed either. Every group a trim sees is recorded
+  in ``outbox_stream_groups``; when Redis loses its data each group comes back only when its
+  own consumers recreate it (at ``0``), and a trim that looked only at the groups already back
+  would remove what a group still missing had not read. The hold ends when the group is back,
+  or when it has been missing longer than ``OUTBOX_GROUP_FORGET_S`` (1 day: it was deleted on
+  purpose; forgotten with a warning). The one window left: a group created less than one trim
+  interval before Redis lost its data was never seen, so it is not waited for;
 * the newest ``stream_keep`` entries and every entry younger than ``stream_keep_s`` are kept
   (for a group created later, and for ``redis-cli`` inspection);
 * every entry of a batch the partition's lease row still records as unsettled is kept: a relay
@@ -53,8 +60,10 @@ from shared.settings import RetentionSettings
 log = logging.getLogger(__name__)
 
 # KEYS: stream, fence key. ARGV: epoch, keep (entries), cutoff ms (entries at or after it kept),
-# cap ms ('' for none: entries from this millisecond up belong to an unsettled batch; kept).
-# Returns {threshold "<ms>-0" or "" (nothing trimmed), entries trimmed, length after}.
+# cap ms ('' for none: entries from this millisecond up belong to an unsettled batch; kept),
+# then the names of the groups known to read the stream (any of them missing: no trim).
+# Returns {threshold "<ms>-0" or "" (nothing trimmed), entries trimmed, length after,
+# groups present, known groups missing}; just {'', 0, 0} when the key does not exist.
 # allow-oom: trimming is how a stream gives memory back; refusing it under maxmemory would
 # keep Redis full.
 SCRIPT = "#!lua flags=allow-oom\n" + fence.PRELUDE + """
@@ -66,12 +75,22 @@ end
 local function below(a_ms, a_seq, b_ms, b_seq)
   return a_ms < b_ms or (a_ms == b_ms and a_seq < b_seq)
 end
-local groups = redis.call('XINFO', 'GROUPS', KEYS[1])
-if #groups == 0 then return {'', 0, redis.call('XLEN', KEYS[1])} end
-local t_ms, t_seq = math.huge, 0
-for _, g in ipairs(groups) do
+local infos, names, present, missing = {}, {}, {}, {}
+for _, g in ipairs(redis.call('XINFO', 'GROUPS', KEYS[1])) do
   local info = {}
   for i = 1, #g, 2 do info[g[i]] = g[i + 1] end
+  infos[#infos + 1] = info
+  names[#names + 1] = info['name']
+  present[info['name']] = true
+end
+for i = 5, #ARGV do
+  if not present[ARGV[i]] then missing[#missing + 1] = ARGV[i] end
+end
+if #infos == 0 or #missing > 0 then
+  return {'', 0, redis.call('XLEN', KEYS[1]), names, missing}
+end
+local t_ms, t_seq = math.huge, 0
+for _, info in ipairs(infos) do
   local ms, seq = parse(info['last-delivered-id'])
   seq = seq + 1
   if tonumber(info['pending']) > 0 then
@@ -88,7 +107,7 @@ if ARGV[4] ~= '' and below(tonumber(ARGV[4]), 0, t_ms, t_seq) then
 end
 local keep = tonumber(ARGV[2])
 local length = redis.call('XLEN', KEYS[1])
-if length <= keep then return {'', 0, length} end
+if length <= keep then return {'', 0, length, names, missing} end
 if keep > 0 then
   local newest = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', keep)
   local k_ms, k_seq = parse(newest[#newest][1])
@@ -103,12 +122,12 @@ if #first > 0 then
   floor_ms = parse(first[1][1])
 else
   local last = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
-  if #last == 0 then return {'', 0, 0} end
+  if #last == 0 then return {'', 0, 0, names, missing} end
   floor_ms = parse(last[1][1]) + 1
 end
 local threshold = string.format('%d-0', floor_ms)
 local trimmed = redis.call('XTRIM', KEYS[1], 'MINID', '=', threshold)
-return {threshold, trimmed, length - trimmed}
+return {threshold, trimmed, length - trimmed, names, missing}
 """
 
 
@@ -120,6 +139,8 @@ class TrimStats:
     trimmed_entries: int = 0
     trim_fenced: int = 0  # refused: a newer relay owns the stream
     trim_errors: int = 0  # refused by Redis (ACL, wrong type): logged, retried next interval
+    trims_held: int = 0  # not trimmed: a known group is missing from the stream
+    groups_forgotten: int = 0  # known groups missing longer than group_forget_s
 
 
 class Trimmer:
@@ -139,11 +160,13 @@ class Trimmer:
             return 0
         removed = 0
         caps: dict[int, int | None] = {}
+        known = store.known_groups(self.engine, sorted(leases))
         for stream, partition in sorted(k for k in streams if k[1] in leases):
             if partition not in caps:
                 caps[partition] = store.unsettled_ms(self.engine, partition)
             try:
-                removed += self.trim(stream, partition, leases[partition], caps[partition])
+                removed += self.trim(stream, partition, leases[partition], caps[partition],
+                                     known.get((stream, partition), {}))
             except LeaseLostError:
                 self.stats.trim_fenced += 1
                 log.info("trim of %s:%s skipped: a newer relay owns the stream", stream, partition)
@@ -154,24 +177,78 @@ class Trimmer:
                             extra={"stream": stream, "partition": partition})
         return removed
 
-    def trim(self, stream: str, partition: int, epoch: int, cap_ms: int | None = None) -> int:
-        """Trim one stream as the owner of ``epoch``, then record its floor; entries removed.
-        ``cap_ms``: the partition's oldest unsettled batch (:func:`relay.store.unsettled_ms`);
-        nothing from that millisecond up is trimmed."""
+    def trim(
+        self,
+        stream: str,
+        partition: int,
+        epoch: int,
+        cap_ms: int | None = None,
+        known: dict[str, int | None] | None = None,
+    ) -> int:
+        """Trim one stream as the owner of ``epoch``, then record its floor and the groups
+        seen; entries removed. ``cap_ms``: the partition's oldest unsettled batch
+        (:func:`relay.store.unsettled_ms`); nothing from that millisecond up is trimmed.
+        ``known``: the groups known to read the stream (``{name: missing since ms or None}``,
+        :func:`relay.store.known_groups`; read here when not given); if one is missing,
+        nothing is trimmed."""
         s = self.settings
-        cutoff = now_ms() - int(s.stream_keep_s * 1000)
-        threshold, trimmed, _length = fence.run_fenced(
+        if known is None:
+            known = store.known_groups(self.engine, [partition]).get((stream, partition), {})
+        now = now_ms()
+        cutoff = now - int(s.stream_keep_s * 1000)
+        reply = fence.run_fenced(
             self.client,
             SCRIPT,
             [keys.stream_key(s.key_prefix, stream, partition),
              keys.fence_key(s.key_prefix, stream, partition)],
-            [epoch, s.stream_keep, cutoff, "" if cap_ms is None else cap_ms],
+            [epoch, s.stream_keep, cutoff, "" if cap_ms is None else cap_ms, *sorted(known)],
         )
+        threshold, trimmed = reply[0], int(reply[1])
         self.stats.trims += 1
+        if len(reply) > 3:  # the key exists: what its groups say
+            self._note_groups(stream, partition, known, _names(reply[3]), _names(reply[4]), now)
         floor = threshold.decode() if isinstance(threshold, bytes) else str(threshold)
         if floor and entry_ids.greater(floor, entry_ids.ZERO):
-            store.record_trim(self.engine, stream, partition, floor, int(trimmed), now_ms())
+            store.record_trim(self.engine, stream, partition, floor, trimmed, now)
         if trimmed:
-            self.stats.trimmed_entries += int(trimmed)
+            self.stats.trimmed_entries += trimmed
             log.debug("trimmed %d entries of %s:%s below %s", trimmed, stream, partition, floor)
-        return int(trimmed)
+        return trimmed
+
+    def _note_groups(
+        self,
+        stream: str,
+        partition: int,
+        known: dict[str, int | None],
+        present: list[str],
+        missing: list[str],
+        now: int,
+    ) -> None:
+        """Record groups seen for the first time, back, or newly missing; forget those missing
+        longer than ``group_forget_s`` (the next trim goes on without them)."""
+        if missing:
+            self.stats.trims_held += 1
+        limit = self.settings.group_forget_s
+        forget = [g for g in missing if limit and known.get(g) is not None
+                  and now - (known[g] or now) >= limit * 1000]
+        new = [g for g in present if g not in known]
+        back = [g for g in present if known.get(g) is not None]
+        gone = [g for g in missing if known.get(g) is None]
+        for group in gone:
+            log.warning("group %s is missing from stream %s:%s (Redis lost it?): the stream is "
+                        "not trimmed until it is back", group, stream, partition,
+                        extra={"stream": stream, "partition": partition, "group": group})
+        for group in forget:
+            self.stats.groups_forgotten += 1
+            log.warning("group %s has been missing from stream %s:%s for over %gs: forgotten, "
+                        "trimming resumes without it", group, stream, partition, limit,
+                        extra={"stream": stream, "partition": partition, "group": group})
+        if new or back or gone or forget:
+            store.record_groups(self.engine, stream, partition, seen=new + back, missing=gone,
+                                forget=forget, now=now)
+
+
+def _names(raw: object) -> list[str]:
+    """Group names from a script reply (bytes or str)."""
+    items = raw if isinstance(raw, list) else []
+    return [n.decode() if isinstance(n, bytes) else str(n) for n in items]

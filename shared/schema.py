@@ -162,11 +162,26 @@ stream_trims = Table(
     "outbox_stream_trims",
     metadata,
     # Per partition stream: every entry below ``floor_entry_id`` was trimmed on purpose (all
-    # groups had acknowledged it). Written before the XTRIM; repair refills only at or above it.
+    # groups had acknowledged it). Raised after the XTRIM; repair refills only at or above it.
     Column("stream", String(64), nullable=False),
     Column("partition", Integer, nullable=False, autoincrement=False),
     Column("floor_entry_id", String(48), nullable=False),
     Column("trimmed", BigInteger, nullable=False, server_default=text("0")),
     Column("updated_at_ms", BigInteger, nullable=False),
     PrimaryKeyConstraint("stream", "partition"),
+)
+
+stream_groups = Table(
+    "outbox_stream_groups",
+    metadata,
+    # The consumer groups the relay's trims have seen on each partition stream. A known group
+    # missing from the stream (Redis lost it; its consumers have not recreated it yet) holds
+    # the trim: its position is unknown, so nothing more may go (relay/trim.py).
+    # ``missing_since_ms``: when a trim first found it gone (NULL while present).
+    Column("stream", String(64), nullable=False),
+    Column("partition", Integer, nullable=False, autoincrement=False),
+    Column("group_name", String(64), nullable=False),
+    Column("seen_at_ms", BigInteger, nullable=False),
+    Column("missing_since_ms", BigInteger),
+    PrimaryKeyConstraint("stream", "partition", "group_name"),
 )

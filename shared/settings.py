@@ -149,6 +149,12 @@ class RetentionSettings(CommonSettings):
         description="Consumers idle longer than this with nothing pending are removed from "
         "their group (XGROUP DELCONSUMER); off keeps them.",
     )
+    group_forget_s: Duration = Field(
+        86400.0,
+        description="A consumer group the relay has seen on a stream and finds missing (Redis "
+        "lost it; its consumers have not recreated it) holds that stream's trimming; after "
+        "this long missing it is taken as deleted on purpose and forgotten; off: never.",
+    )
 
     @model_validator(mode="after")
     def _receipts_outlive_redelivery(self) -> RetentionSettings:

@@ -17,7 +17,7 @@ from producer import Producer
 from relay import entry_ids, store
 from relay.daemon import Relay
 from shared import keys
-from shared.schema import inbox, outbox
+from shared.schema import inbox, outbox, stream_groups
 from shared.settings import ConsumerSettings, RelaySettings
 from tests.conftest import REDIS_URL
 
@@ -167,6 +167,66 @@ def test_repair_after_a_redis_loss_refills_only_above_the_trim_floor(
 
     assert _ids(redis_client, key) == left  # the 40 unacknowledged ones, not the 60 trimmed
     assert relay.repairer.stats.repaired_entries == 40
+
+
+def test_after_a_redis_loss_a_known_group_not_yet_back_holds_the_trim(
+    engine: Engine, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    # Found by the torture: Redis restarted empty, one group's consumers recreated theirs and
+    # read everything; the other group's consumers were down. Trimming by the groups present
+    # removed what the missing group had never read.
+    _enqueue(engine, key_prefix, 0, 60)
+    key = _key(key_prefix)
+    for group in ("fast", "slow"):
+        redis_client.xgroup_create(key, group, id="0", mkstream=True)
+    relay = _relay(engine, redis_client, key_prefix)
+    _read_ack(redis_client, key, "fast", 60)
+    _read_ack(redis_client, key, "slow", 60)
+    relay.trimmer.trim(STREAM, 0, epoch=_epoch(relay))  # both groups become known
+    assert redis_client.xlen(key) == 0
+    _enqueue(engine, key_prefix, 60, 40)
+    relay.run(until_idle=True)
+    unread = _ids(redis_client, key)
+    assert len(unread) == 40
+
+    redis_client.delete(key)  # Redis lost the stream and both groups
+    relay.repairer.check_soon()
+    relay.repairer.maybe_run({0: _epoch(relay)})
+    assert _ids(redis_client, key) == unread
+    redis_client.xgroup_create(key, "fast", id="0")  # only one group's consumers are back
+    _read_ack(redis_client, key, "fast", 40)
+
+    assert relay.trimmer.trim(STREAM, 0, epoch=_epoch(relay)) == 0  # held for "slow"
+    assert _ids(redis_client, key) == unread
+    assert relay.trimmer.stats.trims_held == 1
+
+    redis_client.xgroup_create(key, "slow", id="0")  # back: reads, then the trim goes on
+    assert _read_ack(redis_client, key, "slow", 40) == 40
+    assert relay.trimmer.trim(STREAM, 0, epoch=_epoch(relay)) == 40
+
+
+def test_a_group_missing_longer_than_group_forget_s_is_forgotten(
+    engine: Engine, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    _enqueue(engine, key_prefix, 0, 30)
+    key = _key(key_prefix)
+    for group in ("kept", "dropped"):
+        redis_client.xgroup_create(key, group, id="0", mkstream=True)
+    relay = _relay(engine, redis_client, key_prefix, group_forget_s="1h")
+    relay.trimmer.trim(STREAM, 0, epoch=_epoch(relay))
+    redis_client.xgroup_destroy(key, "dropped")  # deleted on purpose by an operator
+    _read_ack(redis_client, key, "kept", 30)
+    assert relay.trimmer.trim(STREAM, 0, epoch=_epoch(relay)) == 0  # held: missing since now
+    [known] = store.known_groups(engine, [0]).values()
+    assert known["kept"] is None and known["dropped"] is not None
+
+    with engine.begin() as conn:  # an hour and a second later
+        conn.execute(stream_groups.update().values(
+            missing_since_ms=stream_groups.c.missing_since_ms - 3_601_000))
+    assert relay.trimmer.trim(STREAM, 0, epoch=_epoch(relay)) == 0  # forgotten this round
+    assert relay.trimmer.stats.groups_forgotten == 1
+    assert store.known_groups(engine, [0]) == {(STREAM, 0): {"kept": None}}
+    assert relay.trimmer.trim(STREAM, 0, epoch=_epoch(relay)) == 30
 
 
 def test_a_stream_trimmed_to_nothing_then_lost_takes_new_appends(
