@@ -150,6 +150,13 @@ def build_parser() -> argparse.ArgumentParser:
     reconcile.add_arguments(_leaf(sub, "reconcile", "repair streams behind the outbox and "
                                   "resume stuck runs", CommonSettings, reconcile.main))
 
+    from cli import groups
+
+    grp = sub.add_parser("groups", help="consumer groups the relay's trims wait for")
+    grpsub = grp.add_subparsers(dest="groups_command", required=True, metavar="GROUPS_COMMAND")
+    groups.add_arguments(_leaf(grpsub, "forget", "stop holding trims for a group deleted on "
+                               "purpose", CommonSettings, groups.main))
+
     from shared.settings import RetentionSettings
 
     retention.add_arguments(_leaf(sub, "prune", "delete what retention allows: delivered outbox "

@@ -11,7 +11,7 @@ from consumer import ownership
 from shared import keys
 from shared.db import now_ms, translate_errors
 from shared.redis_conn import translate_redis_errors
-from shared.schema import outbox, relay_leases, stream_trims
+from shared.schema import outbox, relay_leases, stream_groups, stream_trims
 
 
 def collect(engine: Engine, client: redis.Redis, prefix: str) -> dict[str, Any]:
@@ -36,12 +36,19 @@ def collect(engine: Engine, client: redis.Redis, prefix: str) -> dict[str, Any]:
             ).all()
         }
         trims = {(r.stream, r.partition): r for r in conn.execute(select(stream_trims)).all()}
+        missing: dict[tuple[str, int], list[str]] = {}
+        for r in conn.execute(select(stream_groups).where(
+                stream_groups.c.missing_since_ms.is_not(None))
+                .order_by(stream_groups.c.group_name)).all():
+            missing.setdefault((r.stream, r.partition), []).append(r.group_name)
     consumer_leases = ownership.owners(engine)
     streams = _streams(client, prefix)
     for st in streams:  # relay/trim.py: everything below the floor was acknowledged and trimmed
         trim = trims.get((st["stream"], st["partition"]))
         st["trim_floor"] = trim.floor_entry_id if trim and trim.trimmed else None
         st["trimmed"] = trim.trimmed if trim else 0
+        # Known groups the last trim found gone: the stream is not trimmed until they are back.
+        st["missing_groups"] = missing.get((st["stream"], st["partition"]), [])
     owner_of = {(o["group"], o["stream"], o["partition"]): o for o in consumer_leases}
     for st in streams:
         for g in st["groups"]:
@@ -125,6 +132,10 @@ def render(report: dict[str, Any]) -> str:
         groups = ", ".join(f"{g['name']} ({g['pending']}/{g['lag']})" for g in s["groups"]) or "-"
         lines.append(f"{s['key']:<32} {s['length']:>8} {s.get('trimmed', 0):>8} "
                      f"{s['dead_letters']:>6}  {groups}")
+        if s.get("missing_groups"):
+            gone = ", ".join(s["missing_groups"])
+            lines.append(f"  trimming held: known group(s) missing: {gone} "
+                         "(`outbox groups forget GROUP` if deleted on purpose)")
     if not report["streams"]:
         lines.append("(no streams yet)")
     relays = report.get("relay_leases") or []

@@ -612,3 +612,13 @@ def take_free_lease(
             .values(owner=node_id, epoch=row.epoch + 1, expires_at_ms=now + ttl_ms)
         )
         return row.epoch + 1 if result.rowcount == 1 else None
+
+
+def forget_groups(engine: Engine, group: str, stream: str | None = None) -> int:
+    """Forget ``group`` on every partition of ``stream`` (or of every stream): trims stop
+    waiting for it if it is missing (``outbox groups forget``). Rows removed. A group still
+    present is simply recorded again by the next trim."""
+    g = stream_groups.c
+    where = [g.group_name == group] + ([g.stream == stream] if stream is not None else [])
+    with translate_errors(), engine.begin() as conn:
+        return conn.execute(delete(stream_groups).where(*where)).rowcount or 0

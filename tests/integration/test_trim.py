@@ -5,6 +5,11 @@ Real Redis (our own keys only) and both databases. A "Redis loss" deletes our st
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import redis
 from sqlalchemy import Engine, func, select
@@ -24,6 +29,7 @@ from tests.conftest import REDIS_URL
 pytestmark = pytest.mark.integration
 
 STREAM = "things"
+OUTBOX = Path(sys.executable).with_name("outbox")
 
 
 def _settings(engine: Engine, prefix: str, **extra: object) -> RelaySettings:
@@ -226,6 +232,32 @@ def test_a_group_missing_longer_than_group_forget_s_is_forgotten(
     assert relay.trimmer.trim(STREAM, 0, epoch=_epoch(relay)) == 0  # forgotten this round
     assert relay.trimmer.stats.groups_forgotten == 1
     assert store.known_groups(engine, [0]) == {(STREAM, 0): {"kept": None}}
+    assert relay.trimmer.trim(STREAM, 0, epoch=_epoch(relay)) == 30
+
+
+def test_status_shows_a_missing_group_and_outbox_groups_forget_releases_the_hold(
+    database_url: str, engine: Engine, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    _enqueue(engine, key_prefix, 0, 30)
+    key = _key(key_prefix)
+    for group in ("kept", "dropped"):
+        redis_client.xgroup_create(key, group, id="0", mkstream=True)
+    relay = _relay(engine, redis_client, key_prefix)
+    relay.trimmer.trim(STREAM, 0, epoch=_epoch(relay))
+    redis_client.xgroup_destroy(key, "dropped")
+    _read_ack(redis_client, key, "kept", 30)
+    assert relay.trimmer.trim(STREAM, 0, epoch=_epoch(relay)) == 0
+    report = status.collect(engine, redis_client, key_prefix)
+    [shown] = [st for st in report["streams"] if st["key"] == key]
+    assert shown["missing_groups"] == ["dropped"]
+    assert "trimming held: known group(s) missing: dropped" in status.render(report)
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
+    env |= {"OUTBOX_DATABASE_URL": database_url, "OUTBOX_KEY_PREFIX": key_prefix}
+    proc = subprocess.run([str(OUTBOX), "groups", "forget", "dropped", "--stream", STREAM],
+                          env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert "forgot group dropped on 1 partition stream(s)" in proc.stdout
     assert relay.trimmer.trim(STREAM, 0, epoch=_epoch(relay)) == 30
 
 
