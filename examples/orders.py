@@ -53,18 +53,34 @@ def invoice(conn: Connection, event: Event) -> None:
 
 
 def main(argv: list[str]) -> int:
-    """``place ORDER_ID TOTAL``: migrate, create the demo tables, place one order."""
-    if len(argv) != 3 or argv[0] != "place":
-        print("usage: python -m examples.orders place ORDER_ID TOTAL", file=sys.stderr)
+    """``place ORDER_ID TOTAL``: migrate, create the demo tables, place one order.
+
+    Safe to run again: placing an order that exists changes nothing and says so (its event,
+    ``<order>:order.placed:1``, is already in the outbox)."""
+    if len(argv) != 3 or argv[0] != "place" or not argv[2].lstrip("-").isdigit():
+        print("usage: python -m examples.orders place ORDER_ID TOTAL  (TOTAL: a whole number)",
+              file=sys.stderr)
         return 2
+    order_id, total = argv[1], int(argv[2])
     engine = make_engine(CommonSettings().database_url)
     upgrade(engine)
     with engine.begin() as conn:
         for statement in SCHEMA:
             conn.execute(text(statement))
-        event_id = place_order(conn, argv[1], int(argv[2]))
-    print(f"placed {argv[1]}; event {event_id} is in the outbox")
-    return 0
+        placed = conn.execute(
+            text("SELECT total FROM orders WHERE id = :id"), {"id": order_id}
+        ).scalar_one_or_none()
+        if placed is None:
+            event_id = place_order(conn, order_id, total)
+    if placed is None:
+        print(f"placed {order_id}; event {event_id} is in the outbox")
+        return 0
+    if placed == total:
+        print(f"{order_id} was placed before (total {placed}): nothing written")
+        return 0
+    print(f"error conflict: {order_id} was placed before with total {placed}, not {total}",
+          file=sys.stderr)
+    return 1
 
 
 if __name__ == "__main__":
