@@ -294,6 +294,10 @@ def _render(s: dict[str, Any], stamp: str, partitions: int, redis_url: str) -> s
                f"{replay['revision_unchanged']}" if replay else "no question was answered")
     key0 = keys.stream_key(stamp, "runs", 0)
     cli = f"redis-cli -u {redact_url(redis_url)}"
+    env = (f"OUTBOX_DATABASE_URL='{s['database_url']}' OUTBOX_KEY_PREFIX={stamp} "
+           f"OUTBOX_PARTITIONS={partitions}")
+    if not s.get("redis_started_for_demo"):
+        env += f" OUTBOX_REDIS_URL={redact_url(redis_url)}"
     return "\n".join([
         "",
         f"created             {s['created']:>8}",
@@ -318,6 +322,13 @@ def _render(s: dict[str, Any], stamp: str, partitions: int, redis_url: str) -> s
         f"  {cli} XRANGE '{key0}' - + COUNT 2",
         f"  {cli} XINFO GROUPS '{key0}'",
         f"  {cli} XLEN '{keys.dead_letter_key(stamp, 'runs', 0)}'",
+        "",
+        "and with outbox (the demo's database and key prefix; status and dlq also need that "
+        "Redis):" if not s.get("redis_started_for_demo") else
+        "and with outbox, given that Redis (set OUTBOX_REDIS_URL too):",
+        f"  {env} outbox status",
+        f"  {env} outbox dlq list",
+        f"  {env} outbox prune --dry-run",
     ])
 
 

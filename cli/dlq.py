@@ -100,7 +100,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     """Replay one letter or all of the group's; 0 if every one left the dead-letter stream."""
     settings = options.load_settings(ConsumerSettings, args)
     _check_filters(args)
-    engine = db.make_engine(settings.database_url)
+    engine = db.existing_engine(settings.database_url)
     db.check_schema(engine)
     handlers = apps.load_handlers(args.app, settings)
     client = connect_redis(settings.redis_url)

@@ -24,7 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     settings = options.load_settings(CommonSettings, args)
-    engine = db.make_engine(settings.database_url)
+    engine = db.existing_engine(settings.database_url)
     db.check_schema(engine)
     removed = store.forget_groups(engine, args.group, args.stream)
     where = f"stream {args.stream}" if args.stream else "every stream"

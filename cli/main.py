@@ -41,7 +41,7 @@ def cmd_db_upgrade(args: argparse.Namespace) -> int:
 def cmd_db_check(args: argparse.Namespace) -> int:
     """Exit 0 if the schema is current, else print why."""
     settings = options.load_settings(CommonSettings, args)
-    db.check_schema(db.make_engine(settings.database_url))
+    db.check_schema(db.existing_engine(settings.database_url))
     print(f"schema is current ({db.code_head()})")
     return 0
 
@@ -89,7 +89,7 @@ def cmd_consume(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     """Print the outbox backlog and every stream's groups."""
     settings = options.load_settings(CommonSettings, args)
-    engine = db.make_engine(settings.database_url)
+    engine = db.existing_engine(settings.database_url)
     db.check_schema(engine)
     report = status_report.collect(engine, connect_redis(settings.redis_url), settings.key_prefix)
     print(json.dumps(report, indent=2) if args.json else status_report.render(report))

@@ -27,12 +27,9 @@ import argparse
 import json
 import logging
 import time
-from pathlib import Path
 from typing import Any
 
 from sqlalchemy import Engine
-from sqlalchemy.engine import make_url
-from sqlalchemy.exc import ArgumentError
 
 from consumer.daemon import Consumer
 from consumer.prune import InboxPruned, InboxPruner
@@ -42,7 +39,6 @@ from relay.daemon import Relay
 from relay.prune import PruneStats as RelayPruneStats
 from relay.prune import prune_delivered
 from shared import db
-from shared.errors import SchemaNotReadyError
 from shared.periodic import Periodic
 from shared.redis_conn import connect_redis
 from shared.settings import ConsumerSettings, RelaySettings, RetentionSettings
@@ -130,8 +126,7 @@ def main(args: argparse.Namespace) -> int:
     from cli import options
 
     settings = options.load_settings(RetentionSettings, args)
-    refuse_missing_sqlite(settings.database_url)
-    engine = db.make_engine(settings.database_url)
+    engine = db.existing_engine(settings.database_url)
     try:
         db.check_schema(engine)
         report = prune_all(engine, settings, dry_run=args.dry_run)
@@ -185,18 +180,3 @@ def render(report: dict[str, Any]) -> str:
     lines.append(f"old receipts kept: {kept['dead_letter_exists']} (dead letter exists), "
                  f"{kept['above_trim_floor']} (not below the stream's trim floor)")
     return "\n".join(lines)
-
-
-def refuse_missing_sqlite(url: str) -> None:
-    """Pruning never creates a database: a SQLite file that does not exist is an error."""
-    try:
-        parsed = make_url(url)
-    except (ArgumentError, ValueError):
-        return  # make_engine reports the bad URL
-    if parsed.get_backend_name() != "sqlite":
-        return
-    name = parsed.database or ""
-    if name in ("", ":memory:") or name.startswith("file:") or parsed.query.get("uri"):
-        return
-    if not Path(name).exists():
-        raise SchemaNotReadyError(f"there is no database file {name}; run `outbox db upgrade`")

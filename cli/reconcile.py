@@ -56,7 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     """Run both checks, print the report."""
     settings = options.load_settings(CommonSettings, args)
-    engine = db.make_engine(settings.database_url)
+    engine = db.existing_engine(settings.database_url)
     db.check_schema(engine)
     client = connect_redis(settings.redis_url)
     report = {

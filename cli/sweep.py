@@ -26,7 +26,7 @@ def main(args: argparse.Namespace) -> int:
     from cli import options
 
     settings = options.load_settings(RunSettings, args)
-    engine = db.make_engine(settings.database_url)
+    engine = db.existing_engine(settings.database_url)
     db.check_schema(engine)
     stats = sweep(engine, store_for(settings, source="outbox-sweep"),
                   max_attempts=settings.run_max_attempts, limit=settings.sweep_batch)

@@ -99,6 +99,23 @@ def make_engine(url: str, **kwargs: Any) -> Engine:
         return engine
 
 
+def existing_engine(url: str, **kwargs: Any) -> Engine:
+    """:func:`make_engine` for a database that must exist already: a SQLite file that is not
+    there is ``schema_not_ready`` (naming the file and ``outbox db upgrade``) and is **not**
+    created. The one-shot commands open their database this way (not ``db upgrade``, the demo,
+    or the daemons, which wait for a database that is not there yet), so ``outbox status`` in
+    the wrong directory never leaves an empty ``outbox.db`` behind."""
+    with _url_errors(url):
+        parsed = make_url(url)
+    name = parsed.database or ""
+    if (parsed.get_backend_name() == "sqlite" and name not in ("", ":memory:")
+            and not name.startswith("file:") and not parsed.query.get("uri")
+            and not Path(name).exists()):
+        raise SchemaNotReadyError(f"there is no database file {name}; run `outbox db upgrade` "
+                                  "(with the same OUTBOX_DATABASE_URL) to create it")
+    return make_engine(url, **kwargs)
+
+
 def make_async_engine(url: str, **kwargs: Any) -> AsyncEngine:
     """An async engine (aiosqlite or psycopg async) with the same settings."""
     with _url_errors(url):

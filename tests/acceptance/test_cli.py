@@ -136,6 +136,50 @@ def test_demo_consumes_every_run(tmp_path: Path) -> None:
             client.close()
 
 
+def test_demo_prints_outbox_commands_that_work_as_printed(tmp_path: Path) -> None:
+    env = {"OUTBOX_DATABASE_URL": "sqlite:///./demo.db", "OUTBOX_REDIS_URL": REDIS_URL}
+    result = outbox("demo", "--runs", "10", "--timeout", "120", env=env, cwd=tmp_path,
+                    timeout=180)
+    assert result.returncode == 0, result.stderr
+    printed = [line.strip() for line in result.stdout.splitlines()
+               if line.strip().endswith("outbox status")]
+    assert len(printed) == 1, result.stdout
+    prefix = printed[0].split("OUTBOX_KEY_PREFIX=")[1].split()[0]
+    try:
+        base = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
+        base["PATH"] = f"{OUTBOX.parent}{os.pathsep}{base.get('PATH', '')}"  # the venv's
+        status = subprocess.run(printed[0], shell=True, cwd=tmp_path, env=base,
+                                capture_output=True, text=True, timeout=60, check=False)
+        assert status.returncode == 0, status.stderr
+        assert f"{prefix}:{{runs:0}}" in status.stdout
+    finally:
+        client = redis.Redis.from_url(REDIS_URL)
+        for key in client.scan_iter(match=f"{prefix}:*", count=1000):
+            client.delete(key)
+        client.close()
+
+
+@pytest.mark.parametrize(
+    "args",
+    [("status",), ("db", "check"), ("dlq", "list"), ("prune", "--dry-run"),
+     ("groups", "forget", "g"), ("reconcile",)],
+    ids=lambda a: " ".join(a),
+)
+def test_no_command_but_upgrade_creates_a_database_file(
+    tmp_path: Path, args: tuple[str, ...]
+) -> None:
+    result = outbox(*args, env={"OUTBOX_DATABASE_URL": "sqlite:///./outbox.db",
+                                "OUTBOX_REDIS_URL": REDIS_URL}, cwd=tmp_path)
+    assert list(tmp_path.iterdir()) == []
+    if args == ("dlq", "list"):  # reads Redis only: an empty list, and still no file
+        assert result.returncode == 0, result.stderr
+        return
+    assert result.returncode == 1
+    assert result.stderr.startswith("error schema_not_ready: there is no database file "
+                                    "./outbox.db; run `outbox db upgrade`"), result.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize(
     ("args", "code"),
     [
