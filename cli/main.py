@@ -22,7 +22,7 @@ from consumer.daemon import Consumer
 from consumer.worker import WorkerSettings
 from relay.daemon import Relay
 from shared import db
-from shared.errors import ConfigError, OutboxError
+from shared.errors import CannotConnectError, ConfigError, OutboxError
 from shared.redaction import configure_logging, redact_url
 from shared.redis_conn import connect_redis
 from shared.settings import CommonSettings, RelaySettings
@@ -184,7 +184,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         code: int = args.func(args)
         return code
-    except ConfigError as err:
+    except (ConfigError, CannotConnectError) as err:  # fix the setting; retrying cannot help
         print(f"error {err.code}: {err.message}", file=sys.stderr)
         return 2
     except OutboxError as err:

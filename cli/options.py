@@ -10,6 +10,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, BeforeValidator, ValidationError
 
 from shared.errors import ConfigError
+from shared.logs import configure_logging
 
 S = TypeVar("S", bound=BaseModel)
 
@@ -34,17 +35,23 @@ def add_settings_flags(parser: argparse.ArgumentParser, model: type[BaseModel]) 
 
 
 def load_settings(model: type[S], args: argparse.Namespace) -> S:
-    """Build settings from the environment, then the flags given on the command line."""
+    """Build settings from the environment, then the flags given on the command line, and
+    set up logging by their ``log_level``/``log_format``."""
     overrides: dict[str, Any] = {
         name: getattr(args, name)
         for name in model.model_fields
         if getattr(args, name, None) is not None
     }
     try:
-        return model(**overrides)
+        settings = model(**overrides)
     except ValidationError as err:
         problems = "; ".join(
             f"{'.'.join(str(p) for p in e['loc']) or 'settings'}: {e['msg']}"
             for e in err.errors()
         )
         raise ConfigError(f"invalid settings: {problems}") from None
+    # Every command logs as asked (--log-level DEBUG shows the redacted driver messages).
+    level, fmt = getattr(settings, "log_level", None), getattr(settings, "log_format", "text")
+    if isinstance(level, str):
+        configure_logging(level, fmt)
+    return settings

@@ -117,7 +117,8 @@ class Relay:
         signal.signal(signal.SIGINT, handler)
 
     def run(self, *, until_idle: bool = False) -> RelayStats:
-        """Relay until stopped (or, with ``until_idle``, until a round finds nothing to do)."""
+        """Relay until stopped (or, with ``until_idle``, until a round finds nothing to do, or
+        after ``startup_timeout_s`` of rounds that all failed ``unavailable``)."""
         if is_postgres(self.engine) and not until_idle:
             self.wakeup.listen_postgres(
                 self.engine.url.render_as_string(hide_password=False),
@@ -126,13 +127,22 @@ class Relay:
         log.info("relay %s started", self.node_id, extra={"node": self.node_id})
         switch_interval = sys.getswitchinterval()
         sys.setswitchinterval(SWITCH_INTERVAL_S)
+        failing_since: float | None = None
         try:
             while not self._stop.is_set():
                 self.last_loop = time.monotonic()
                 try:
                     busy = self.run_once()
                     self._backoff = 0.0
+                    failing_since = None
                 except UnavailableError as err:
+                    # A daemon waits for Redis or the database as long as it takes; a script's
+                    # `--until-idle` run gives up after startup_timeout_s of nothing but errors
+                    # instead of hanging its CI job.
+                    failing_since = failing_since or self.last_loop
+                    if until_idle and (self.last_loop - failing_since
+                                       >= self.settings.startup_timeout_s):
+                        raise
                     self._sleep_backoff(err)
                     continue
                 if busy:

@@ -42,6 +42,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.sql.selectable import TableValuedAlias
 
 from shared.errors import (
+    CannotConnectError,
     ConfigError,
     OutboxError,
     SchemaNotReadyError,
@@ -90,12 +91,14 @@ def make_engine(url: str, **kwargs: Any) -> Engine:
         if parsed.get_backend_name() == "sqlite":
             engine = create_engine(parsed, **kwargs)
             _tune_sqlite(engine)
+            _name_connect_errors(engine)
             return engine
         # No pool_pre_ping: it costs a round trip per transaction. A dropped connection fails
         # its statement instead, SQLAlchemy invalidates the pool, and every caller retries.
         kwargs.setdefault("connect_args", {"connect_timeout": 10})
         engine = create_engine(parsed, **kwargs)
         _custom_plans(engine)
+        _name_connect_errors(engine)
         return engine
 
 
@@ -124,9 +127,11 @@ def make_async_engine(url: str, **kwargs: Any) -> AsyncEngine:
             parsed = parsed.set(drivername="sqlite+aiosqlite")
             engine = create_async_engine(parsed, **kwargs)
             _tune_sqlite(engine.sync_engine)
+            _name_connect_errors(engine.sync_engine)
             return engine
         async_engine = create_async_engine(parsed, **kwargs)
         _custom_plans(async_engine.sync_engine)
+        _name_connect_errors(async_engine.sync_engine)
         return async_engine
 
 
@@ -158,6 +163,56 @@ def _url_errors(url: str) -> Iterator[None]:
     except (exc.ArgumentError, ImportError, ValueError) as err:  # ValueError: a bad port
         log.debug("database URL error: %s", redact_url(str(err)))
         raise ConfigError(f"invalid or unsupported database URL {redact_url(url)}") from None
+
+
+# Connection failures retrying cannot fix (matched on the driver's text, lower case).
+PERMANENT_CONNECT_FAILURES = (
+    "does not exist",  # database "x" / role "x" does not exist
+    "authentication failed",
+    "no password supplied",
+    "pg_hba.conf",
+    "failed to resolve host",
+    "could not translate host name",
+    "name or service not known",
+    "invalid connection option",
+    "invalid dsn",
+)
+
+
+def _name_connect_errors(engine: Engine) -> None:
+    """A failed *connect* names where and why, redacted: ``cannot connect to PostgreSQL at
+    host:5432/db (password hidden): database "x" does not exist``. Failures retrying cannot
+    fix (:data:`PERMANENT_CONNECT_FAILURES`) become :class:`CannotConnectError`, the others
+    :class:`UnavailableError` (retried). Errors on an open connection are left to
+    :func:`translate_errors`."""
+    url = engine.url
+
+    @event.listens_for(engine, "handle_error")
+    def _on_error(context: Any) -> None:
+        if context.connection is not None or context.is_disconnect:
+            return  # not a connect: translate_errors says "unavailable"
+        reason = _driver_reason(str(context.original_exception))
+        if url.get_backend_name() == "sqlite":
+            where = f"cannot open the SQLite database {url.database or ':memory:'}"
+        else:
+            where = (f"cannot connect to PostgreSQL at {url.host or 'localhost'}:"
+                     f"{url.port or 5432}/{url.database or ''}"
+                     + (" (password hidden)" if url.password else ""))
+        message = f"{where}: {reason}" if reason else where
+        log.debug("connect error: %s", redact_url(str(context.original_exception)))
+        if any(marker in reason.lower() for marker in PERMANENT_CONNECT_FAILURES):
+            raise CannotConnectError(message) from None
+        raise UnavailableError(message) from None
+
+
+def _driver_reason(text: str) -> str:
+    """The useful line of a driver's connect error: after libpq's ``FATAL:`` (or the last
+    ``failed:``), first line, redacted, bounded."""
+    for marker in ("FATAL:", "failed:"):
+        if marker in text:
+            text = text.rsplit(marker, 1)[1]
+            break
+    return redact_url(text.strip().split("\n")[0].strip())[:200]
 
 
 def _tune_sqlite(engine: Engine) -> None:

@@ -72,6 +72,14 @@ class UnavailableError(OutboxError):
     code = "unavailable"
 
 
+class CannotConnectError(OutboxError):
+    """The database or Redis refused us for a reason retrying cannot fix: an unknown database
+    or user, failed authentication, an unknown host. Not an :class:`UnavailableError`, so
+    nothing retries it; the CLI exits at once with status 2 (fix the setting)."""
+
+    code = "unavailable"
+
+
 class StreamBehindError(UnavailableError):
     """A stream holds less than the outbox delivered to it (Redis lost data): repair it first."""
 

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import redis
 from redis.exceptions import NoPermissionError
 
-from shared.errors import ConfigError, UnavailableError
+from shared.errors import CannotConnectError, ConfigError, UnavailableError
 from shared.redaction import redact_url
 
 log = logging.getLogger(__name__)
@@ -43,9 +43,14 @@ def translate_redis_errors() -> Iterator[None]:
     try:
         yield
     except redis.AuthenticationError as err:  # a ConnectionError subclass: catch it first
-        raise UnavailableError("Redis refused our credentials") from err
+        # Retrying cannot fix a wrong password: exit and say so (CLI status 2).
+        raise CannotConnectError("Redis refused our credentials (password hidden)") from err
     except (redis.ConnectionError, redis.TimeoutError) as err:
-        log.debug("redis error: %s", redact_url(str(err)))
+        text = redact_url(str(err))
+        log.debug("redis error: %s", text)
+        if any(m in text.lower() for m in ("name or service not known", "nodename nor servname")):
+            # "Error -2 connecting to nosuchhost:6379. Name or service not known."
+            raise CannotConnectError(f"cannot connect to Redis: {text[:200]}") from err
         raise UnavailableError("Redis is unavailable or timed out") from err
     except NoPermissionError as err:  # redis-py strips the "NOPERM" prefix from its text
         raise UnavailableError("Redis refused the command for our user (ACL)") from err

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -181,33 +182,76 @@ def test_no_command_but_upgrade_creates_a_database_file(
 
 
 @pytest.mark.parametrize(
-    ("args", "code"),
+    ("args", "code", "status", "says"),
     [
-        (("db", "check", "--database-url", "not a url"), "invalid_config"),
-        (("db", "check", "--database-url", "nosuchdb://u:hunter2@h/x"), "invalid_config"),
-        (("db", "check", "--database-url", "postgresql://u:hunter2@127.0.0.1:1/x"),
-         "unavailable"),
+        (("db", "check", "--database-url", "not a url"), "invalid_config", 2, ""),
+        (("db", "check", "--database-url", "nosuchdb://u:hunter2@h/x"), "invalid_config", 2, ""),
+        (("db", "check", "--database-url", "postgresql://u:hunter2@127.0.0.1:1/x",
+          "--startup-timeout-s", "0"), "unavailable", 1,
+         "cannot connect to PostgreSQL at 127.0.0.1:1/x (password hidden): Connection refused"),
+        # Permanent: no retry (a minute of startup-timeout would pass first), exit 2.
+        (("db", "check", "--database-url",
+          "postgresql://postgres:hunter2@127.0.0.1:5432/no_such_db_here"), "unavailable", 2,
+         'cannot connect to PostgreSQL at 127.0.0.1:5432/no_such_db_here (password hidden): '
+         'database "no_such_db_here" does not exist'),
+        (("relay", "--until-idle", "--database-url",
+          "postgresql://nobody_here:hunter2@127.0.0.1:5432/test"), "unavailable", 2,
+         'role "nobody_here" does not exist'),
+        (("status", "--database-url", "postgresql://postgres@no-such-host.invalid/test"),
+         "unavailable", 2, "cannot connect to PostgreSQL at no-such-host.invalid:5432/test: "),
         (("status", "--database-url", "sqlite:///{tmp}/x.db", "--redis-url", "bogus://x"),
-         "invalid_config"),
-        (("db", "upgrade", "--database-url", "sqlite:///{tmp}/missing/dir/x.db"), "unavailable"),
-        (("relay", "--partitions", "0"), "invalid_config"),
-        (("relay", "--key-prefix", "a b"), "invalid_config"),
+         "invalid_config", 2, ""),
+        (("status", "--database-url", "sqlite:///{tmp}/x.db", "--redis-url",
+          "redis://:hunter2@no-such-host.invalid:6379/0"), "unavailable", 2,
+         "cannot connect to Redis: "),
+        (("db", "upgrade", "--database-url", "sqlite:///{tmp}/missing/dir/x.db"), "unavailable",
+         1, "cannot open the SQLite database"),
+        (("relay", "--partitions", "0"), "invalid_config", 2, ""),
+        (("relay", "--key-prefix", "a b"), "invalid_config", 2, ""),
+        (("relay", "--log-level", "verbose"), "invalid_config", 2, "log_level"),
     ],
-    ids=["unparsable-db-url", "unknown-dialect", "unreachable-db", "bad-redis-url",
-         "unwritable-sqlite", "bad-partitions", "bad-prefix"],
+    ids=["unparsable-db-url", "unknown-dialect", "unreachable-db", "unknown-database",
+         "unknown-role", "unknown-db-host", "bad-redis-url", "unknown-redis-host",
+         "unwritable-sqlite", "bad-partitions", "bad-prefix", "bad-log-level"],
 )
 def test_errors_are_one_coded_line_without_traceback_or_secret(
-    tmp_path: Path, args: tuple[str, ...], code: str
+    tmp_path: Path, args: tuple[str, ...], code: str, status: int, says: str
 ) -> None:
-    if "status" in args:
+    if "status" in args and "sqlite:///{tmp}/x.db" in args:
         upgraded = outbox("db", "upgrade", "--database-url", f"sqlite:///{tmp_path}/x.db")
         assert upgraded.returncode == 0
     result = outbox(*(a.replace("{tmp}", str(tmp_path)) for a in args), timeout=60)
-    assert result.returncode == (2 if code == "invalid_config" else 1)
+    assert result.returncode == status, result.stderr
     assert result.stderr.startswith(f"error {code}: "), result.stderr
+    assert says in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert "Traceback" not in result.stderr
     assert "hunter2" not in result.stderr + result.stdout
+
+
+def test_log_level_debug_works_on_one_shot_commands(tmp_path: Path) -> None:
+    result = outbox("db", "check", "--database-url", "postgresql://u:hunter2@127.0.0.1:1/x",
+                    "--startup-timeout-s", "0", "--log-level", "DEBUG")
+    assert result.returncode == 1
+    assert "DEBUG shared.db connect error: " in result.stderr  # the driver's text, redacted
+    assert "hunter2" not in result.stderr
+
+
+def test_relay_until_idle_gives_up_on_a_redis_that_is_down(tmp_path: Path) -> None:
+    from shared import db
+
+    url = f"sqlite:///{tmp_path}/x.db"
+    engine = db.make_engine(url)
+    db.upgrade(engine)
+    enqueue_events(engine, 3)  # something to deliver (an empty outbox is idle at once)
+    engine.dispose()
+    started = time.monotonic()
+    result = outbox("relay", "--until-idle", "--database-url", url, "--redis-url",
+                    "redis://127.0.0.1:1/0", "--startup-timeout-s", "2",
+                    "--partitions", str(PARTITIONS), timeout=60)
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith("error unavailable: Redis is ")
+    assert time.monotonic() - started < 50  # gave up: it would wait for ever otherwise
 
 
 def test_relay_waits_for_a_database_that_comes_up_after_it(

@@ -30,7 +30,8 @@ def leaf_commands(
 
 
 COMMANDS = leaf_commands(build_parser())
-REQUIRED = {("dlq", "show"): ["1-0"], ("dlq", "replay"): ["--all"]}  # their own required args
+REQUIRED = {("dlq", "show"): ["1-0"], ("dlq", "replay"): ["--all"],  # their own required args
+            ("groups", "forget"): ["g"]}
 
 
 def test_every_command_is_listed() -> None:

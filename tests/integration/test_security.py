@@ -36,7 +36,7 @@ from producer import Producer
 from relay.daemon import Relay
 from shared import db, keys
 from shared.envelope import Event
-from shared.errors import UnavailableError
+from shared.errors import CannotConnectError, UnavailableError
 from shared.redis_conn import connect_redis, translate_redis_errors
 from shared.schema import inbox
 from shared.settings import ConsumerSettings, RelaySettings
@@ -361,9 +361,9 @@ def test_acl_users_are_confined(private_redis: PrivateRedis) -> None:
             attempt()
         assert "ACL" in caught.value.message
     wrong = connect_redis(private_redis.url("relay", pw="not-it"))
-    with pytest.raises(UnavailableError) as caught, translate_redis_errors():
+    with pytest.raises(CannotConnectError) as caught, translate_redis_errors():
         wrong.ping()
-    assert caught.value.message == "Redis refused our credentials"
+    assert caught.value.message == "Redis refused our credentials (password hidden)"
     assert SECRET not in str(caught.value) and "not-it" not in str(caught.value)
     private_redis.admin().execute_command("ACL", "LOG", "RESET")
 
@@ -513,9 +513,9 @@ def test_secrets_never_reach_any_output(
     texts: dict[str, str] = {}
     status_runs = {  # ``outbox status`` in this process meanwhile: (database, redis, exit code)
         "status ok": (pg, r.url("operator"), 0),
-        "status no db": (no_db, r.url("operator"), 1),
+        "status no db": (no_db, r.url("operator"), 2),  # permanent: exit 2
         "status no redis": (pg, unreachable, 1),
-        "status wrong password": (pg, r.url("operator", pw=f"x{SECRET}"), 1),
+        "status wrong password": (pg, r.url("operator", pw=f"x{SECRET}"), 2),
         "status refused by acl": (pg, r.url("relay"), 1),  # the relay may not SCAN
         "status bad redis url": (pg, f"redis://u:{SECRET}@127.0.0.1:notaport/0", 2),
         "status bad pg url": (no_db.replace(":5432/", ":notaport/"), unreachable, 2),
@@ -526,8 +526,9 @@ def test_secrets_never_reach_any_output(
         assert code == expected, (name, texts[name])
     assert "3 undelivered" in texts["status ok"]
     for name in ("relay no db", "consume no db", "demo no db"):
-        code, text = out.wait(name)
-        assert code == 1 and "error unavailable" in text, (name, text[-1500:])
+        code, text = out.wait(name)  # an unknown database is permanent: exit 2 at once
+        assert code == 2 and "error unavailable: cannot connect to PostgreSQL" in text, (
+            name, text[-1500:])
     out.stop_when("relay retrying", "retrying")
     out.stop_when("consume retrying", "retrying")
     out.stop_when("consume ok", "started")
