@@ -5,12 +5,19 @@ description and default are the help text. Flags override the environment."""
 from __future__ import annotations
 
 import argparse
+import difflib
+import logging
+import os
+from collections.abc import Mapping
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, BeforeValidator, ValidationError
 
 from shared.errors import ConfigError
 from shared.logs import configure_logging
+from shared.settings import CommonSettings
+
+log = logging.getLogger("outbox.settings")
 
 S = TypeVar("S", bound=BaseModel)
 
@@ -54,4 +61,36 @@ def load_settings(model: type[S], args: argparse.Namespace) -> S:
     level, fmt = getattr(settings, "log_level", None), getattr(settings, "log_format", "text")
     if isinstance(level, str):
         configure_logging(level, fmt)
+    for name, hint in unknown_environment(os.environ):
+        log.warning("unknown setting %s ignored%s", name,
+                    f" (did you mean {hint}?)" if hint else "")
     return settings
+
+
+# OUTBOX_* variables that are not settings fields but are ours: fault injection (shared/faults.py),
+# the test and benchmark suites' servers, the demo agent's own settings (cli/demo_app.py).
+NOT_FIELDS = frozenset({"OUTBOX_FAULTS", "OUTBOX_FAULTS_SEED", "OUTBOX_STREAM_MAXLEN"})
+NOT_FIELD_PREFIXES = ("OUTBOX_TEST_", "OUTBOX_BENCH_", "OUTBOX_DEMO_")
+
+
+def unknown_environment(environ: Mapping[str, str]) -> list[tuple[str, str | None]]:
+    """``OUTBOX_*`` variables no settings model knows (a typo like ``OUTBOX_PARTITONS`` would
+    otherwise be ignored in silence), each with the closest known name, if any."""
+    known = {f"OUTBOX_{name.upper()}" for model in _settings_models()
+             for name in model.model_fields} | NOT_FIELDS
+    unknown = sorted(k for k in environ if k.startswith("OUTBOX_") and k not in known
+                     and not k.startswith(NOT_FIELD_PREFIXES))
+    return [(k, next(iter(difflib.get_close_matches(k, known, n=1, cutoff=0.8)), None))
+            for k in unknown]
+
+
+def _settings_models() -> list[type[BaseModel]]:
+    """Every settings model loaded (the CLI imports them all when it builds its parser)."""
+    found: list[type[BaseModel]] = []
+    todo: list[type[BaseModel]] = [CommonSettings]
+    while todo:
+        model = todo.pop()
+        if model not in found:
+            found.append(model)
+            todo.extend(model.__subclasses__())
+    return found

@@ -1,0 +1,16 @@
+"""A typo in an OUTBOX_* variable is warned about, with the name it probably meant."""
+
+from __future__ import annotations
+
+from cli import options
+from cli.main import build_parser
+
+
+def test_unknown_outbox_variables_are_found_with_a_suggestion() -> None:
+    build_parser()  # imports every settings model, as every command does
+    env = {"OUTBOX_PARTITONS": "8", "OUTBOX_PARTITIONS": "4", "OUTBOX_GROUP": "billing",
+           "OUTBOX_RUN_CONCURRENCY": "4", "OUTBOX_METRICS_PORT": "9100",
+           "OUTBOX_GROUP_FORGET_S": "1d", "OUTBOX_FAULTS": "", "OUTBOX_TEST_PG_URL": "x",
+           "OUTBOX_DEMO_STAGE_MS": "5", "OUTBOX_ZZZ": "1", "PATH": "/bin"}
+    assert options.unknown_environment(env) == [("OUTBOX_PARTITONS", "OUTBOX_PARTITIONS"),
+                                                ("OUTBOX_ZZZ", None)]
