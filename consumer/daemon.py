@@ -45,7 +45,7 @@ from consumer.handlers import Handlers
 from consumer.hygiene import HygieneStats
 from consumer.prune import PruneStats
 from consumer.streams import Entry
-from shared import faults, keys
+from shared import faults, keys, partition_counts
 from shared.envelope import Event
 from shared.errors import InvalidEventError, UnavailableError
 from shared.periodic import Periodic, run_due
@@ -118,7 +118,13 @@ class Consumer:
         self._groups_ready = False
         self._backoff = 0.0
         # Housekeeping between batches (retention, group hygiene): see shared/periodic.py.
-        self.periodic: list[Periodic] = []
+        self.periodic: list[Periodic] = [
+            # Entries on partitions this consumer does not read would never be handled:
+            # refuse to run (invalid_config) if a stream records another count.
+            Periodic("partition count check", partition_counts.CHECK_INTERVAL_S,
+                     lambda: partition_counts.check(engine, settings.partitions,
+                                                    "this consumer", settings.stream_names())),
+        ]
         # Observation (consumer/metrics.py, cli/observe.py): hooks when metrics are on, and
         # the liveness heartbeat (monotonic seconds at the start of the last iteration).
         self.metrics: ConsumerMetrics | None = None

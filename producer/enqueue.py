@@ -30,7 +30,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 from sqlalchemy.orm import Session
 from sqlalchemy.sql.compiler import SQLCompiler
 
-from shared import faults, keys, tracing
+from shared import faults, keys, partition_counts, tracing
 from shared.db import db_now_ms, now_ms
 from shared.envelope import DEFAULT_MAX_DATA_BYTES, MAX_ID_LENGTH, MAX_REVISION
 from shared.errors import DuplicateEventError, InvalidEventError
@@ -66,11 +66,14 @@ class Producer:
         """Insert one event in ``conn``'s open transaction and return its id.
 
         Keyword arguments are those of :meth:`build`. Raises :class:`DuplicateEventError`
-        if the id exists, :class:`InvalidEventError` for a malformed event.
+        if the id exists, :class:`InvalidEventError` for a malformed event, and ``ConfigError``
+        (``invalid_config``) if the stream was first written with another partition count
+        (:mod:`shared.partition_counts`; checked once per stream and process).
         """
         connection = conn.connection() if isinstance(conn, Session) else conn
         postgres = connection.dialect.name == "postgresql"
         event_id, params = self.build(postgres=postgres, **event)
+        partition_counts.record_or_check(connection, params["stream"], self.partitions)
         sql, args = _driver_call(connection.dialect, params)
         if connection.exec_driver_sql(sql, args).first() is None:
             raise DuplicateEventError(f"event {event_id!r} was already enqueued")
@@ -82,6 +85,8 @@ class Producer:
         connection = await conn.connection() if isinstance(conn, AsyncSession) else conn
         postgres = connection.dialect.name == "postgresql"
         event_id, params = self.build(postgres=postgres, **event)
+        await connection.run_sync(partition_counts.record_or_check, params["stream"],
+                                  self.partitions)
         sql, args = _driver_call(connection.dialect, params)
         if (await connection.exec_driver_sql(sql, args)).first() is None:
             raise DuplicateEventError(f"event {event_id!r} was already enqueued")

@@ -32,7 +32,7 @@ from sqlalchemy import Engine
 from relay import append, claim, repair, store, trim
 from relay.prune import PruneStats
 from relay.wakeup import Wakeup
-from shared import faults, keys
+from shared import faults, keys, partition_counts
 from shared.db import is_postgres, now_ms
 from shared.errors import LeaseLostError, StreamBehindError, UnavailableError
 from shared.periodic import Periodic, run_due
@@ -93,6 +93,10 @@ class Relay:
         self.periodic: list[Periodic] = [
             Periodic("stream trim", settings.trim_interval_s,
                      lambda: self.trimmer.run(self.leases, self.repairer.streams)),
+            # A stream first written with another partition count would be stranded in part:
+            # refuse to run (invalid_config), at the first round and every 30 s.
+            Periodic("partition count check", partition_counts.CHECK_INTERVAL_S,
+                     lambda: partition_counts.check(engine, settings.partitions, "this relay")),
         ]
 
     def append_thread(self) -> ThreadPoolExecutor:

@@ -185,3 +185,14 @@ stream_groups = Table(
     Column("missing_since_ms", BigInteger),
     PrimaryKeyConstraint("stream", "partition", "group_name"),
 )
+
+streams = Table(
+    "outbox_streams",
+    metadata,
+    # Each stream's partition count, recorded by its first write (shared/partition_counts.py):
+    # a component configured with another count would strand events, so it is refused.
+    Column("stream", String(64), nullable=False),
+    Column("partitions", Integer, nullable=False),
+    Column("created_at_ms", BigInteger, nullable=False),
+    PrimaryKeyConstraint("stream"),
+)

@@ -257,13 +257,14 @@ def test_install_registers_the_periodic_task_and_its_counters(
     default = consumer()
     h = hygiene.install(default)
     assert h is not None and default.hygiene_stats is h.stats
-    (task,) = default.periodic
-    assert (task.name, task.interval_s) == ("group hygiene", 60.0)
+    (task,) = [t for t in default.periodic if t.name == "group hygiene"]
+    assert task.interval_s == 60.0
     short = consumer(consumer_idle_s=0.2)
-    assert hygiene.install(short) is not None and short.periodic[0].interval_s == 0.05
+    assert hygiene.install(short) is not None and short.periodic[-1].interval_s == 0.05
     off = consumer(consumer_idle_s=0, retention_dead_letters=0)
     assert hygiene.install(off) is None
-    assert off.periodic == [] and off.hygiene_stats is None
+    assert [t.name for t in off.periodic] == ["partition count check"]
+    assert off.hygiene_stats is None
 
 
 def test_the_consumer_loop_runs_hygiene(
