@@ -1,11 +1,13 @@
-"""``outbox dlq list | show | replay``: inspect and replay dead letters.
+"""``outbox dlq list | show | replay | purge``: inspect, replay and give up dead letters.
 
 ``list`` and ``show`` only read Redis. ``replay`` also opens the database and loads the group's
 handlers (``--app``, as ``outbox consume`` does) because it runs each letter through the normal
 claim transaction of ``--group`` and applies it whatever the aggregate's applied revision (an
 operator decided; see :mod:`consumer.dead_letters`, also for why it does not re-add the entry to
 the stream). Exit status: 0 when every letter asked for was replayed, 1 when some
-stay in the dead-letter stream (each is printed with the reason it stayed).
+stay in the dead-letter stream (each is printed with the reason it stayed). ``replay --all``
+with no group given (``--group`` / ``OUTBOX_GROUP``) does not guess: it lists the groups that
+have letters. ``purge`` deletes letters for good (``--older-than``, ``--group``, ``--dry-run``).
 """
 
 from __future__ import annotations
@@ -13,15 +15,17 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 from collections.abc import Callable
 from typing import Any
 
 from cli import apps, options
 from consumer import dead_letters
 from shared import db
+from shared.db import now_ms
 from shared.errors import ConfigError
 from shared.redis_conn import connect_redis
-from shared.settings import CommonSettings, ConsumerSettings
+from shared.settings import CommonSettings, ConsumerSettings, parse_duration
 
 LeafFactory = Callable[..., argparse.ArgumentParser]
 
@@ -37,6 +41,8 @@ def add_commands(dlq_parser: argparse.ArgumentParser, leaf: LeafFactory) -> None
               cmd_show)
     sh.add_argument("letter_id", metavar="ID", help="stream:partition:entry-id, as listed")
     sh.add_argument("--json", action="store_true", help="print JSON")
+    sh.add_argument("--full", action="store_true",
+                    help=f"print long fields whole (else cut at {SHOW_LIMIT} characters)")
     rp = leaf(sub, "replay", "apply dead letters through the group's claim path",
               ConsumerSettings, cmd_replay)
     which = rp.add_mutually_exclusive_group(required=True)
@@ -46,6 +52,13 @@ def add_commands(dlq_parser: argparse.ArgumentParser, leaf: LeafFactory) -> None
     rp.add_argument("--app", default=apps.DEFAULT_APP,
                     help=f"handlers of the group, as module:attribute (default {apps.DEFAULT_APP})")
     rp.add_argument("--json", action="store_true", help="print JSON")
+    pg = leaf(sub, "purge", "delete dead letters for good (their events are never applied)",
+              CommonSettings, cmd_purge)
+    _filters(pg)
+    pg.add_argument("--group", default=None, help="only this group's letters")
+    pg.add_argument("--older-than", default="0", metavar="DURATION",
+                    help="only letters written longer ago than this (90s, 15m, 7d; default: all)")
+    pg.add_argument("--dry-run", action="store_true", help="count, delete nothing")
 
 
 def _filters(parser: argparse.ArgumentParser) -> None:
@@ -89,10 +102,37 @@ def cmd_show(args: argparse.Namespace) -> int:
         return 0
     fields = view.pop("fields")
     for name, value in view.items():
-        print(f"{name:<16} {value}")
+        print(f"{name:<16} {_cut(str(value), args.full)}")
     print("fields:")
     for name, value in fields.items():
-        print(f"  {name:<16} {value}")
+        print(f"  {name:<16} {_cut(value, args.full)}")
+    return 0
+
+
+SHOW_LIMIT = 2000
+
+
+def _cut(value: str, full: bool) -> str:
+    """Long values (a 1 MiB payload) cut for the terminal, saying how much is left out."""
+    if full or len(value) <= SHOW_LIMIT:
+        return value
+    return f"{value[:SHOW_LIMIT]}… ({len(value) - SHOW_LIMIT} more characters; --full shows all)"
+
+
+def cmd_purge(args: argparse.Namespace) -> int:
+    """Delete letters (older than ``--older-than``, of ``--group``); print how many."""
+    settings = options.load_settings(CommonSettings, args)
+    _check_filters(args)
+    try:
+        older = parse_duration(args.older_than)
+    except ValueError as err:
+        raise ConfigError(f"--older-than: {err}") from None
+    removed = dead_letters.purge(
+        connect_redis(settings.redis_url), settings.key_prefix, older_than_ms=int(older * 1000),
+        now_ms=now_ms(), group=args.group, stream=args.stream, partition=args.partition,
+        dry_run=args.dry_run,
+    )
+    print(f"{removed} dead letter(s) {'would be ' if args.dry_run else ''}deleted")
     return 0
 
 
@@ -100,6 +140,14 @@ def cmd_replay(args: argparse.Namespace) -> int:
     """Replay one letter or all of the group's; 0 if every one left the dead-letter stream."""
     settings = options.load_settings(ConsumerSettings, args)
     _check_filters(args)
+    if args.all and getattr(args, "group", None) is None and "OUTBOX_GROUP" not in os.environ:
+        # Not the default group's letters by guesswork: say which groups have some.
+        client = connect_redis(settings.redis_url)
+        counts = dead_letters.letters_by_group(client, settings.key_prefix, stream=args.stream,
+                                               partition=args.partition)
+        listed = ", ".join(f"{g or '(no group)'}: {n}" for g, n in sorted(counts.items()))
+        raise ConfigError("replay --all needs --group (or OUTBOX_GROUP): letters by group: "
+                          + (listed or "none"))
     engine = db.existing_engine(settings.database_url)
     db.check_schema(engine)
     handlers = apps.load_handlers(args.app, settings)

@@ -240,6 +240,52 @@ def replay_all(
     return results
 
 
+def letters_by_group(
+    client: redis.Redis, prefix: str, *, stream: str | None = None,
+    partition: int | None = None, batch: int = 500,
+) -> dict[str, int]:
+    """How many letters each group has (``""``: letters that name no group)."""
+    counts: dict[str, int] = {}
+    for letter in _walk(client, prefix, dead_keys(client, prefix, stream, partition), batch):
+        counts[letter.group] = counts.get(letter.group, 0) + 1
+    return counts
+
+
+def purge(
+    client: redis.Redis,
+    prefix: str,
+    *,
+    older_than_ms: int,
+    now_ms: int,
+    group: str | None = None,
+    stream: str | None = None,
+    partition: int | None = None,
+    dry_run: bool = False,
+    batch: int = 500,
+) -> int:
+    """Delete the letters written more than ``older_than_ms`` ago (0: all), of ``group`` if
+    given; letters deleted (or, with ``dry_run``, that would be). The event is given up for
+    good: its ``dead``/``lost`` receipt stays, so it is never applied, and inbox retention
+    prunes that receipt once no letter stands for it."""
+    cutoff = now_ms - older_than_ms
+    removed = 0
+    for key in dead_keys(client, prefix, stream, partition):
+        end = f"({cutoff}-0" if older_than_ms else "+"
+        start = "-"
+        while True:
+            page = _read(client, prefix, key, start, batch, end=end)
+            chosen = [letter.dead_id for letter in page
+                      if group is None or letter.group == group]
+            if chosen and not dry_run:
+                with translate_redis_errors():
+                    client.xdel(key, *chosen)
+            removed += len(chosen)
+            if len(page) < batch:
+                break
+            start = f"({page[-1].dead_id}"
+    return removed
+
+
 def remove(client: redis.Redis, letter: DeadLetter) -> None:
     """``XDEL`` the letter from its dead-letter stream."""
     with translate_redis_errors():

@@ -110,3 +110,48 @@ def test_replay_needs_an_id_or_all(env: dict[str, str]) -> None:
     result = outbox(env, "dlq", "replay")
     assert result.returncode == 2 and "--all" in result.stderr
     assert outbox(env, "dlq", "replay", "x:0:1-1", "--all").returncode == 2
+
+
+def test_replay_all_without_a_group_lists_the_groups_that_have_letters(
+    env: dict[str, str], redis_client: redis.Redis
+) -> None:
+    make_dead_letters(env, redis_client)
+    no_group = {k: v for k, v in env.items() if k != "OUTBOX_GROUP"}
+    result = outbox(no_group, "dlq", "replay", "--all", "--app", "cli.demo_app:handlers")
+    assert result.returncode == 2
+    assert result.stderr.strip() == ("error invalid_config: replay --all needs --group (or "
+                                     f"OUTBOX_GROUP): letters by group: {GROUP}: 3")
+    assert len(json.loads(outbox(env, "dlq", "list", "--json").stdout)) == 3  # untouched
+
+
+def test_purge_by_age_group_and_dry_run(env: dict[str, str], redis_client: redis.Redis) -> None:
+    make_dead_letters(env, redis_client)
+    assert "0 dead letter(s) deleted" in outbox(env, "dlq", "purge", "--older-than", "1h").stdout
+    assert "0 dead letter(s) deleted" in outbox(env, "dlq", "purge", "--group", "other").stdout
+    dry = outbox(env, "dlq", "purge", "--dry-run")
+    assert dry.returncode == 0 and "3 dead letter(s) would be deleted" in dry.stdout
+    assert len(json.loads(outbox(env, "dlq", "list", "--json").stdout)) == 3
+    one = outbox(env, "dlq", "purge", "--stream", "runs", "--partition", "0")
+    assert "1 dead letter(s) deleted" in one.stdout
+    rest = outbox(env, "dlq", "purge", "--group", GROUP)
+    assert "2 dead letter(s) deleted" in rest.stdout
+    assert json.loads(outbox(env, "dlq", "list", "--json").stdout) == []
+    bad = outbox(env, "dlq", "purge", "--older-than", "soon")
+    assert bad.returncode == 2 and bad.stderr.startswith("error invalid_config: --older-than")
+
+
+def test_show_cuts_long_fields_unless_full(env: dict[str, str], redis_client: redis.Redis) -> None:
+    prefix = env["OUTBOX_KEY_PREFIX"]
+    big = event()
+    big[b"data"] = b'"' + b"x" * 10_000 + b'"'
+    redis_client.xadd(keys.stream_key(prefix, "runs", 0), big)  # type: ignore[arg-type]
+    settings = ConsumerSettings(database_url=env["OUTBOX_DATABASE_URL"], key_prefix=prefix,
+                                partitions=2, group=GROUP, consumer="c", block_ms=1)
+    engine = db.make_engine(settings.database_url)
+    Consumer(settings, engine, redis_client, Handlers()).run_once(block_ms=1)
+    engine.dispose()
+    [letter] = json.loads(outbox(env, "dlq", "list", "--json").stdout)
+    cut = outbox(env, "dlq", "show", letter["id"])
+    assert "more characters; --full shows all" in cut.stdout and len(cut.stdout) < 5_000
+    full = outbox(env, "dlq", "show", letter["id"], "--full")
+    assert "x" * 10_000 in full.stdout
