@@ -31,7 +31,7 @@ import redis
 from relay import entry_ids, fence
 from relay.claim import OutboxRow
 from shared import keys, tracing
-from shared.envelope import JSON_CONTENT_TYPE, SPECVERSION
+from shared.envelope import encode_fields
 from shared.errors import StreamBehindError, UnavailableError
 from shared.redis_conn import translate_redis_errors
 
@@ -136,39 +136,32 @@ class Verdicts:
 
 
 def to_fields(row: OutboxRow) -> dict[str, str]:
-    """The CloudEvents fields of a row: the same map as ``shared.envelope.Event.to_fields``.
+    """The CloudEvents fields of a row, by the one encoder (:func:`shared.envelope.encode_fields`).
 
     Built directly from the row instead of through the pydantic model, which cost more than
     the ``XADD`` itself. The payload is stored as compact JSON text by the producer and goes
     out as it is (the model would parse and re-serialize it to the same text); a row that is
     not valid JSON reaches consumers, which dead-letter it with ``bad_json``.
     """
-    created = datetime.fromtimestamp(row.created_at_ms / 1000, tz=UTC)
-    fields = {
-        "specversion": SPECVERSION,
-        "id": row.event_id,
-        "source": row.source,
-        "type": row.type,
-        "time": created.isoformat().replace("+00:00", "Z"),
-        "datacontenttype": JSON_CONTENT_TYPE,
-        "data": row.payload,
-    }
-    if row.aggregate_id is not None:
-        fields["subject"] = row.aggregate_id
-    if row.aggregate_type is not None:
-        fields["aggregatetype"] = row.aggregate_type
-    if row.aggregate_id is not None:
-        fields["aggregateid"] = row.aggregate_id
-    if row.revision is not None:
-        fields["revision"] = str(row.revision)
+    traceparent = tracestate = None
     if row.headers and row.headers != "{}":
         headers = json.loads(row.headers)
         traceparent = headers.get("traceparent")
         if traceparent is not None:
-            fields["traceparent"] = traceparent
-            if headers.get("tracestate"):
-                fields["tracestate"] = headers["tracestate"]
-    return fields
+            tracestate = headers.get("tracestate") or None
+    return encode_fields(
+        event_id=row.event_id,
+        source=row.source,
+        type=row.type,
+        time=datetime.fromtimestamp(row.created_at_ms / 1000, tz=UTC),
+        data_json=row.payload,
+        subject=row.aggregate_id,
+        aggregatetype=row.aggregate_type,
+        aggregateid=row.aggregate_id,
+        revision=row.revision,
+        traceparent=traceparent,
+        tracestate=tracestate,
+    )
 
 
 def append(

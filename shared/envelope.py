@@ -32,6 +32,49 @@ MAX_REVISION = 2**63 - 1  # the inbox stores revisions as BIGINT
 DEFAULT_MAX_DATA_BYTES = 1_048_576
 
 
+def encode_fields(
+    *,
+    event_id: str,
+    source: str,
+    type: str,
+    time: datetime,
+    data_json: str,
+    datacontenttype: str = JSON_CONTENT_TYPE,
+    subject: str | None = None,
+    aggregatetype: str | None = None,
+    aggregateid: str | None = None,
+    revision: int | None = None,
+    traceparent: str | None = None,
+    tracestate: str | None = None,
+) -> dict[str, str]:
+    """The one wire encoder: the flat string fields of an entry (absent optional attributes
+    left out). :meth:`Event.to_fields` and the relay (relay/append.py, straight from a row,
+    without building the model) both call it, so the two can never disagree.
+    ``data_json`` is the data as JSON text, sent as is."""
+    fields = {
+        "specversion": SPECVERSION,
+        "id": event_id,
+        "source": source,
+        "type": type,
+        "time": time.astimezone(UTC).isoformat().replace("+00:00", "Z"),
+        "datacontenttype": datacontenttype,
+        "data": data_json,
+    }
+    if subject is not None:
+        fields["subject"] = subject
+    if aggregatetype is not None:
+        fields["aggregatetype"] = aggregatetype
+    if aggregateid is not None:
+        fields["aggregateid"] = aggregateid
+    if revision is not None:
+        fields["revision"] = str(revision)
+    if traceparent is not None:
+        fields["traceparent"] = traceparent
+    if tracestate is not None:
+        fields["tracestate"] = tracestate
+    return fields
+
+
 class Event(BaseModel):
     """An event as it travels: built by the relay from an outbox row, parsed by consumers."""
 
@@ -52,25 +95,20 @@ class Event(BaseModel):
 
     def to_fields(self) -> dict[str, str]:
         """Flat string fields for ``XADD`` (absent optional attributes are left out)."""
-        fields = {
-            "specversion": SPECVERSION,
-            "id": self.id,
-            "source": self.source,
-            "type": self.type,
-            "time": self.time.astimezone(UTC).isoformat().replace("+00:00", "Z"),
-            "datacontenttype": self.datacontenttype,
-            "data": json.dumps(self.data, separators=(",", ":"), ensure_ascii=False),
-        }
-        optional = {
-            "subject": self.subject,
-            "aggregatetype": self.aggregatetype,
-            "aggregateid": self.aggregateid,
-            "revision": None if self.revision is None else str(self.revision),
-            "traceparent": self.traceparent,
-            "tracestate": self.tracestate,
-        }
-        fields.update({k: v for k, v in optional.items() if v is not None})
-        return fields
+        return encode_fields(
+            event_id=self.id,
+            source=self.source,
+            type=self.type,
+            time=self.time,
+            data_json=json.dumps(self.data, separators=(",", ":"), ensure_ascii=False),
+            datacontenttype=self.datacontenttype,
+            subject=self.subject,
+            aggregatetype=self.aggregatetype,
+            aggregateid=self.aggregateid,
+            revision=self.revision,
+            traceparent=self.traceparent,
+            tracestate=self.tracestate,
+        )
 
     @classmethod
     def from_fields(

@@ -1,0 +1,47 @@
+"""One wire encoder: the relay's fields of a row equal the model's, field for field, and parse
+back to the same event (every optional attribute set, and none)."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+
+import pytest
+
+from relay.append import to_fields
+from relay.claim import OutboxRow
+from shared.envelope import Event
+
+TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+
+
+def _row(**overrides: object) -> OutboxRow:
+    values: dict[str, object] = {
+        "seq": 1, "event_id": "o-1:order.placed:3", "stream": "orders", "partition": 0,
+        "aggregate_type": "order", "aggregate_id": "o-1", "revision": 3,
+        "type": "order.placed", "source": "shop", "payload": '{"total":42,"note":"é"}',
+        "headers": json.dumps({"traceparent": TRACEPARENT, "tracestate": "k=v"}),
+        "created_at_ms": 1_764_000_000_123, "entry_id": "1764000000123-0",
+    }
+    values.update(overrides)
+    return OutboxRow(**values)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("row", [
+    _row(),
+    _row(aggregate_type=None, aggregate_id=None, revision=None, headers="{}"),
+    _row(headers=json.dumps({"traceparent": TRACEPARENT})),
+], ids=["every-attribute", "no-optional", "traceparent-only"])
+def test_the_relay_and_the_model_encode_the_same_fields(row: OutboxRow) -> None:
+    headers = json.loads(row.headers)
+    model = Event(
+        id=row.event_id, source=row.source, type=row.type,
+        time=datetime.fromtimestamp(row.created_at_ms / 1000, tz=UTC),
+        subject=row.aggregate_id, data=json.loads(row.payload),
+        aggregatetype=row.aggregate_type, aggregateid=row.aggregate_id, revision=row.revision,
+        traceparent=headers.get("traceparent"), tracestate=headers.get("tracestate"),
+    )
+    fields = to_fields(row)
+    assert fields == model.to_fields()
+    assert Event.from_fields(fields) == model  # and back
+    assert fields["time"] == "2025-11-24T16:00:00.123000Z"
