@@ -17,6 +17,7 @@ from shared.db import make_engine, upgrade
 from shared.envelope import Event
 from shared.settings import CommonSettings
 
+# partitions: the same OUTBOX_PARTITIONS as the relays and consumers (checked at first write)
 outbox = Producer(source="shop", partitions=CommonSettings().partitions)
 handlers = Handlers()
 
@@ -37,12 +38,12 @@ def place_order(conn: Connection, order_id: str, total: int) -> str:
         stream="orders",
         aggregate_type="order",
         aggregate_id=order_id,
-        revision=1,
+        revision=1,  # event id = "o-1:order.placed:1": a second enqueue is a duplicate
         data={"total": total},
     )
 
 
-@handlers.on("order.placed")
+@handlers.on("order.placed")  # ordering="strict" (the default)
 def invoice(conn: Connection, event: Event) -> None:
     """Runs inside the consumer's claim transaction: the invoice and the inbox receipt commit
     together, so a redelivered event never invoices twice."""
