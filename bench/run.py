@@ -3,7 +3,7 @@
 Full mode follows the issue's sizes (50,000-event backlogs, 3 runs each, a 10-minute memory
 run); ``--quick`` shrinks everything so the code is exercised in well under two minutes (CI).
 Results go to ``bench/results.json`` and PNG plots to ``bench/out/``; ``--publish`` also copies
-the plots to ``docs/perf/`` for the README.
+the plots to ``docs/perf/`` for docs/performance.md.
 """
 
 from __future__ import annotations
