@@ -19,9 +19,9 @@ import time
 def drain(kind: str, events: int, batch: int, partitions: int) -> dict[str, float]:
     """One run in this process, with whatever ``relay`` and ``bench`` the path imports."""
     from bench import env
-    from relay.daemon import Relay
-    from shared.redis_conn import connect_redis
-    from shared.settings import RelaySettings
+    from outbox_relay.relay.daemon import Relay
+    from outbox_relay.shared.redis_conn import connect_redis
+    from outbox_relay.shared.settings import RelaySettings
 
     target = env.open_target(kind, tempfile.gettempdir())
     try:

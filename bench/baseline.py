@@ -17,7 +17,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from bench.env import STREAM, Target, outbox_rows
-from shared import keys
+from outbox_relay.shared import keys
 
 _COLUMNS = (
     "seq, event_id, type, source, aggregate_type, aggregate_id, revision, payload, "

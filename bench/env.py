@@ -24,9 +24,9 @@ from typing import Any
 import redis
 from sqlalchemy import Engine, create_engine, delete, insert, text
 
-from shared import db, keys
-from shared.envelope import Event
-from shared.schema import inbox, inbox_heads, outbox, relay_leases, relay_nodes
+from outbox_relay.shared import db, keys
+from outbox_relay.shared.envelope import Event
+from outbox_relay.shared.schema import inbox, inbox_heads, outbox, relay_leases, relay_nodes
 
 REDIS_URL = os.environ.get("OUTBOX_BENCH_REDIS_URL", "redis://127.0.0.1:6379/0")
 PG_ADMIN_URL = os.environ.get(

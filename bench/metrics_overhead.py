@@ -32,17 +32,17 @@ from typing import Any
 from sqlalchemy import Connection
 
 from bench import env
-from consumer import Handlers
-from consumer.daemon import Consumer
-from consumer.metrics import ConsumerMetrics
-from consumer.ordering import APPLIED, Delivery, Outcome
-from relay.append import Verdicts
-from relay.daemon import Relay
-from relay.metrics import RelayMetrics
-from shared.envelope import Event
-from shared.metrics_server import MetricsServer
-from shared.redis_conn import connect_redis
-from shared.settings import ConsumerSettings, RelaySettings
+from outbox_relay.consumer import Handlers
+from outbox_relay.consumer.daemon import Consumer
+from outbox_relay.consumer.metrics import ConsumerMetrics
+from outbox_relay.consumer.ordering import APPLIED, Delivery, Outcome
+from outbox_relay.relay.append import Verdicts
+from outbox_relay.relay.daemon import Relay
+from outbox_relay.relay.metrics import RelayMetrics
+from outbox_relay.shared.envelope import Event
+from outbox_relay.shared.metrics_server import MetricsServer
+from outbox_relay.shared.redis_conn import connect_redis
+from outbox_relay.shared.settings import ConsumerSettings, RelaySettings
 
 
 def _per_call_ns(func: Callable[[], object], number: int) -> float:

@@ -15,13 +15,13 @@ import tempfile
 import time
 
 from bench import env
-from consumer import streams
-from consumer.daemon import Consumer
-from consumer.handlers import Handlers
-from relay.daemon import Relay
-from shared.envelope import Event
-from shared.redis_conn import connect_redis
-from shared.settings import ConsumerSettings, RelaySettings
+from outbox_relay.consumer import streams
+from outbox_relay.consumer.daemon import Consumer
+from outbox_relay.consumer.handlers import Handlers
+from outbox_relay.relay.daemon import Relay
+from outbox_relay.shared.envelope import Event
+from outbox_relay.shared.redis_conn import connect_redis
+from outbox_relay.shared.settings import ConsumerSettings, RelaySettings
 
 
 def _noop(_conn: object, _event: Event) -> None:

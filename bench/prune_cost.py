@@ -42,7 +42,7 @@ from typing import Any
 from sqlalchemy import text
 
 from bench import env
-from shared.db import now_ms
+from outbox_relay.shared.db import now_ms
 
 CTX = multiprocessing.get_context("spawn")
 RETENTION_S = 7 * 86400.0
@@ -62,8 +62,8 @@ FROM generate_series(1, :n) AS g
 
 def _pruner(url: str, ready: Any, start: Any, stop: Any, results: Any) -> None:
     """Child process: prune old delivered rows without pause from ``start`` until ``stop``."""
-    from relay.prune import prune_delivered
-    from shared import db
+    from outbox_relay.relay.prune import prune_delivered
+    from outbox_relay.shared import db
 
     engine = db.make_engine(url)
     with engine.connect() as conn:
@@ -102,10 +102,10 @@ def _prepare(target: env.Target, events: int, old: int, partitions: int) -> None
 
 def drain(mode: str, events: int, old: int, partitions: int, batch: int) -> dict[str, Any]:
     """One run of ``mode`` in a fresh schema; the drain's events/s and what was pruned."""
-    from cli import prune as retention
-    from relay.daemon import Relay
-    from shared.redis_conn import connect_redis
-    from shared.settings import RelaySettings
+    from outbox_relay.cli import prune as retention
+    from outbox_relay.relay.daemon import Relay
+    from outbox_relay.shared.redis_conn import connect_redis
+    from outbox_relay.shared.settings import RelaySettings
 
     target = env.open_target("postgresql", tempfile.gettempdir())
     procs: list[Any] = []
@@ -156,7 +156,7 @@ def drain(mode: str, events: int, old: int, partitions: int, batch: int) -> dict
 def settle_ab(index: bool, events: int, partitions: int, batch: int) -> dict[str, Any]:
     """Mark a seeded backlog delivered with the settle's statement, ``batch`` rows per
     transaction, with or without the delivered index; ms per statement."""
-    from relay.store import _mark_delivered
+    from outbox_relay.relay.store import _mark_delivered
 
     target = env.open_target("postgresql", tempfile.gettempdir())
     try:

@@ -16,9 +16,9 @@ import uuid
 
 from sqlalchemy import func, select, text
 
-from relay import store
-from shared import db
-from shared.schema import outbox
+from outbox_relay.relay import store
+from outbox_relay.shared import db
+from outbox_relay.shared.schema import outbox
 
 PG = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 

@@ -22,9 +22,9 @@ from sqlalchemy import BigInteger, Column, Integer, MetaData, String, Table, ins
 from bench import workers
 from bench.baseline import drain_baseline
 from bench.env import EVENT_TYPE, STREAM, Target, fill_streams
-from consumer import streams
-from producer import Producer
-from shared import db
+from outbox_relay.consumer import streams
+from outbox_relay.producer import Producer
+from outbox_relay.shared import db
 
 CTX = multiprocessing.get_context("spawn")
 UNDELIVERED = "SELECT count(*) FROM outbox_events WHERE delivered_at_ms IS NULL"

@@ -22,8 +22,8 @@ import timeit
 from collections.abc import Callable
 from typing import Any
 
-from producer import Producer
-from shared import tracing
+from outbox_relay.producer import Producer
+from outbox_relay.shared import tracing
 
 PARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 BATCH = 100

@@ -15,14 +15,14 @@ from typing import Any
 from sqlalchemy import Connection
 
 from bench.env import EVENT_TYPE, REDIS_URL, STREAM
-from consumer.daemon import Consumer
-from consumer.handlers import Handlers
-from producer import Producer
-from relay.daemon import Relay
-from shared import db
-from shared.envelope import Event
-from shared.redis_conn import connect_redis
-from shared.settings import ConsumerSettings, RelaySettings
+from outbox_relay.consumer.daemon import Consumer
+from outbox_relay.consumer.handlers import Handlers
+from outbox_relay.producer import Producer
+from outbox_relay.relay.daemon import Relay
+from outbox_relay.shared import db
+from outbox_relay.shared.envelope import Event
+from outbox_relay.shared.redis_conn import connect_redis
+from outbox_relay.shared.settings import ConsumerSettings, RelaySettings
 
 
 def relay_child(

@@ -16,12 +16,12 @@ import importlib
 import os
 import sys
 
-from consumer import Handlers
-from shared.errors import ConfigError, OutboxError
-from shared.redaction import redact_url
-from shared.settings import ConsumerSettings
+from outbox_relay.consumer import Handlers
+from outbox_relay.shared.errors import ConfigError, OutboxError
+from outbox_relay.shared.redaction import redact_url
+from outbox_relay.shared.settings import ConsumerSettings
 
-DEFAULT_APP = "cli.demo_app:handlers"
+DEFAULT_APP = "outbox_relay.cli.demo_app:handlers"
 
 
 def load_handlers(spec: str, settings: ConsumerSettings) -> Handlers:

@@ -28,15 +28,15 @@ from typing import Any
 import redis
 from sqlalchemy import Engine, func, select
 
-from cli import options
-from producer.runs import RunStore, store_for
-from shared import db, keys
-from shared import runstate as rs
-from shared.errors import ConfigError, UnavailableError
-from shared.redaction import redact_url
-from shared.redis_conn import connect_redis
-from shared.schema import inbox, outbox, runs
-from shared.settings import CommonSettings
+from outbox_relay.cli import options
+from outbox_relay.producer.runs import RunStore, store_for
+from outbox_relay.shared import db, keys
+from outbox_relay.shared import runstate as rs
+from outbox_relay.shared.errors import ConfigError, UnavailableError
+from outbox_relay.shared.redaction import redact_url
+from outbox_relay.shared.redis_conn import connect_redis
+from outbox_relay.shared.schema import inbox, outbox, runs
+from outbox_relay.shared.settings import CommonSettings
 
 DEMO_DIR = Path(".outbox-demo")
 CREATE_BATCH = 25
@@ -124,7 +124,7 @@ def _run(args: argparse.Namespace, settings: CommonSettings, redis_url: str,
     }
     logs = DEMO_DIR / "logs"
     logs.mkdir(exist_ok=True)
-    cmd = [sys.executable, "-m", "cli.main"]
+    cmd = [sys.executable, "-m", "outbox_relay"]
     for i in range(args.relays):
         children.start([*cmd, "relay"], env, logs / f"relay-{i}.log")
     for i in range(args.consumers):

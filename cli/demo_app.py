@@ -19,11 +19,11 @@ from pathlib import Path
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from consumer import Handlers
-from consumer.agent import DemoAgent
-from consumer.worker import WorkerSettings, start_worker
-from shared import runstate as rs
-from shared.settings import ConsumerSettings
+from outbox_relay.consumer import Handlers
+from outbox_relay.consumer.agent import DemoAgent
+from outbox_relay.consumer.worker import WorkerSettings, start_worker
+from outbox_relay.shared import runstate as rs
+from outbox_relay.shared.settings import ConsumerSettings
 
 
 class AgentSettings(BaseSettings):

@@ -19,13 +19,13 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from cli import apps, options
-from consumer import dead_letters
-from shared import db
-from shared.db import now_ms
-from shared.errors import ConfigError
-from shared.redis_conn import connect_redis
-from shared.settings import CommonSettings, ConsumerSettings, parse_duration
+from outbox_relay.cli import apps, options
+from outbox_relay.consumer import dead_letters
+from outbox_relay.shared import db
+from outbox_relay.shared.db import now_ms
+from outbox_relay.shared.errors import ConfigError
+from outbox_relay.shared.redis_conn import connect_redis
+from outbox_relay.shared.settings import CommonSettings, ConsumerSettings, parse_duration
 
 LeafFactory = Callable[..., argparse.ArgumentParser]
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import argparse
 
-from cli import options
-from relay import store
-from shared import db
-from shared.settings import CommonSettings
+from outbox_relay.cli import options
+from outbox_relay.relay import store
+from outbox_relay.shared import db
+from outbox_relay.shared.settings import CommonSettings
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

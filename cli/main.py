@@ -13,19 +13,19 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 
-from cli import apps, options
-from cli import prune as retention
-from cli import status as status_report
-from cli.startup import until_available
-from consumer import hygiene
-from consumer.daemon import Consumer
-from consumer.worker import WorkerSettings
-from relay.daemon import Relay
-from shared import db
-from shared.errors import CannotConnectError, ConfigError, OutboxError
-from shared.redaction import configure_logging, redact_url
-from shared.redis_conn import connect_redis
-from shared.settings import CommonSettings, RelaySettings
+from outbox_relay.cli import apps, options
+from outbox_relay.cli import prune as retention
+from outbox_relay.cli import status as status_report
+from outbox_relay.cli.startup import until_available
+from outbox_relay.consumer import hygiene
+from outbox_relay.consumer.daemon import Consumer
+from outbox_relay.consumer.worker import WorkerSettings
+from outbox_relay.relay.daemon import Relay
+from outbox_relay.shared import db
+from outbox_relay.shared.errors import CannotConnectError, ConfigError, OutboxError
+from outbox_relay.shared.redaction import configure_logging, redact_url
+from outbox_relay.shared.redis_conn import connect_redis
+from outbox_relay.shared.settings import CommonSettings, RelaySettings
 
 log = logging.getLogger("outbox")
 
@@ -56,7 +56,7 @@ def cmd_relay(args: argparse.Namespace) -> int:
                                                   timeout_s=settings.redis_timeout_s))
     retention.register_relay(relay, settings)  # periodic task "retention"
     relay.install_signal_handlers()
-    from cli import observe  # here: prometheus_client is not every command's cost
+    from outbox_relay.cli import observe  # here: prometheus_client is not every command's cost
 
     with observe.relay(relay):  # --metrics-port: /metrics, /healthz, /readyz
         relay.run(until_idle=args.until_idle)
@@ -79,7 +79,7 @@ def cmd_consume(args: argparse.Namespace) -> int:
     hygiene.install(consumer)  # periodic task "group hygiene"
     retention.register_consumer(consumer, settings)  # periodic task "retention"
     consumer.install_signal_handlers()
-    from cli import observe
+    from outbox_relay.cli import observe
 
     with observe.consumer(consumer):  # --metrics-port: /metrics, /healthz, /readyz
         consumer.run()
@@ -98,7 +98,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     """Run the end-to-end demo (see ``cli.demo``)."""
-    from cli import demo
+    from outbox_relay.cli import demo
 
     return demo.main(args)
 
@@ -129,35 +129,35 @@ def build_parser() -> argparse.ArgumentParser:
     st = _leaf(sub, "status", "outbox backlog and stream/group state", CommonSettings, cmd_status)
     st.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
-    from cli import demo
+    from outbox_relay.cli import demo
 
     demo.add_arguments(_leaf(sub, "demo", "run the end-to-end demo", CommonSettings, cmd_demo))
 
-    from cli import serve, sweep
-    from producer.serve_settings import ServeSettings
-    from shared.runstate import RunSettings
+    from outbox_relay.cli import serve, sweep
+    from outbox_relay.producer.serve_settings import ServeSettings
+    from outbox_relay.shared.runstate import RunSettings
 
     serve.add_arguments(_leaf(sub, "serve", "serve the runs HTTP API", ServeSettings, serve.main))
     sweep.add_arguments(_leaf(sub, "sweep", "resume runs whose execution lease expired (one pass)",
                               RunSettings, sweep.main))
 
-    from cli import dlq
+    from outbox_relay.cli import dlq
 
     dlq.add_commands(sub.add_parser("dlq", help="inspect and replay dead letters"), _leaf)
 
-    from cli import reconcile
+    from outbox_relay.cli import reconcile
 
     reconcile.add_arguments(_leaf(sub, "reconcile", "repair streams behind the outbox and "
                                   "resume stuck runs", CommonSettings, reconcile.main))
 
-    from cli import groups
+    from outbox_relay.cli import groups
 
     grp = sub.add_parser("groups", help="consumer groups the relay's trims wait for")
     grpsub = grp.add_subparsers(dest="groups_command", required=True, metavar="GROUPS_COMMAND")
     groups.add_arguments(_leaf(grpsub, "forget", "stop holding trims for a group deleted on "
                                "purpose", CommonSettings, groups.main))
 
-    from shared.settings import RetentionSettings
+    from outbox_relay.shared.settings import RetentionSettings
 
     retention.add_arguments(_leaf(sub, "prune", "delete what retention allows: delivered outbox "
                                   "rows, old receipts and heads, terminal runs (if asked)",

@@ -31,15 +31,15 @@ import redis
 from prometheus_client import CollectorRegistry, PlatformCollector, ProcessCollector
 from sqlalchemy import Engine
 
-from consumer import metrics as consumer_metrics
-from consumer.daemon import Consumer
-from producer.run_metrics import RunsCollector
-from relay import metrics as relay_metrics
-from relay.daemon import Relay
-from shared import db, metrics_server
-from shared.metrics_server import MetricsServer
-from shared.redis_conn import translate_redis_errors
-from shared.settings import DaemonSettings
+from outbox_relay.consumer import metrics as consumer_metrics
+from outbox_relay.consumer.daemon import Consumer
+from outbox_relay.producer.run_metrics import RunsCollector
+from outbox_relay.relay import metrics as relay_metrics
+from outbox_relay.relay.daemon import Relay
+from outbox_relay.shared import db, metrics_server
+from outbox_relay.shared.metrics_server import MetricsServer
+from outbox_relay.shared.redis_conn import translate_redis_errors
+from outbox_relay.shared.settings import DaemonSettings
 
 MAX_BACKOFF_S = 5.0  # the daemons' longest retry backoff (relay/daemon.py, consumer/daemon.py)
 MIN_STALE_S = 30.0

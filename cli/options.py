@@ -13,9 +13,9 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, BeforeValidator, ValidationError
 
-from shared.errors import ConfigError
-from shared.logs import configure_logging
-from shared.settings import CommonSettings
+from outbox_relay.shared.errors import ConfigError
+from outbox_relay.shared.logs import configure_logging
+from outbox_relay.shared.settings import CommonSettings
 
 log = logging.getLogger("outbox.settings")
 

@@ -31,17 +31,17 @@ from typing import Any
 
 from sqlalchemy import Engine
 
-from consumer.daemon import Consumer
-from consumer.prune import InboxPruned, InboxPruner
-from consumer.prune import PruneStats as ConsumerPruneStats
-from producer.runs_prune import prune_terminal_runs
-from relay.daemon import Relay
-from relay.prune import PruneStats as RelayPruneStats
-from relay.prune import prune_delivered
-from shared import db
-from shared.periodic import Periodic
-from shared.redis_conn import connect_redis
-from shared.settings import ConsumerSettings, RelaySettings, RetentionSettings
+from outbox_relay.consumer.daemon import Consumer
+from outbox_relay.consumer.prune import InboxPruned, InboxPruner
+from outbox_relay.consumer.prune import PruneStats as ConsumerPruneStats
+from outbox_relay.producer.runs_prune import prune_terminal_runs
+from outbox_relay.relay.daemon import Relay
+from outbox_relay.relay.prune import PruneStats as RelayPruneStats
+from outbox_relay.relay.prune import prune_delivered
+from outbox_relay.shared import db
+from outbox_relay.shared.periodic import Periodic
+from outbox_relay.shared.redis_conn import connect_redis
+from outbox_relay.shared.settings import ConsumerSettings, RelaySettings, RetentionSettings
 
 log = logging.getLogger("outbox.retention")
 
@@ -123,7 +123,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """Prune every table once, to the end; print the counts per table."""
-    from cli import options
+    from outbox_relay.cli import options
 
     settings = options.load_settings(RetentionSettings, args)
     engine = db.existing_engine(settings.database_url)

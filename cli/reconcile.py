@@ -25,21 +25,21 @@ from typing import Any
 import redis
 from sqlalchemy import Engine
 
-from cli import options
-from producer.runs import store_for
-from relay import repair, store
-from shared import db
-from shared import runstate as rs
-from shared.db import now_ms, translate_errors
-from shared.errors import (
+from outbox_relay.cli import options
+from outbox_relay.producer.runs import store_for
+from outbox_relay.relay import repair, store
+from outbox_relay.shared import db
+from outbox_relay.shared import runstate as rs
+from outbox_relay.shared.db import now_ms, translate_errors
+from outbox_relay.shared.errors import (
     ConflictError,
     InvalidTransitionError,
     LeaseLostError,
     NotFoundError,
 )
-from shared.redaction import redact_url
-from shared.redis_conn import connect_redis
-from shared.settings import CommonSettings
+from outbox_relay.shared.redaction import redact_url
+from outbox_relay.shared.redis_conn import connect_redis
+from outbox_relay.shared.settings import CommonSettings
 
 LEASE_TTL_MS = 30_000
 

@@ -14,12 +14,13 @@ import logging
 import signal
 from types import FrameType
 
-from cli.startup import until_available
-from consumer.sweeper import sweep
-from producer.runs import store_for
-from producer.serve_settings import ServeSettings
-from shared import db
-from shared.redaction import configure_logging, redact_url
+from outbox_relay.cli.startup import until_available
+from outbox_relay.consumer.sweeper import sweep
+from outbox_relay.producer.runs import store_for
+from outbox_relay.producer.serve_settings import ServeSettings
+from outbox_relay.shared import db
+from outbox_relay.shared.errors import ConfigError
+from outbox_relay.shared.redaction import configure_logging, redact_url
 
 log = logging.getLogger("outbox.serve")
 
@@ -30,10 +31,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """Serve until SIGTERM/SIGINT."""
-    import uvicorn  # here, not at import time: every other command would pay for it
+    try:  # here, not at import time: every other command would pay for it
+        import uvicorn
 
-    from cli import options
-    from producer.http import create_app
+        from outbox_relay.producer.http import create_app
+    except ImportError:
+        raise ConfigError("outbox serve needs the http extra: "
+                          "pip install 'outbox-relay[http]'") from None
+    from outbox_relay.cli import options
 
     settings = options.load_settings(ServeSettings, args)
     configure_logging(settings.log_level, settings.log_format)
@@ -58,7 +63,7 @@ def main(args: argparse.Namespace) -> int:
     # in a clean exit 0, like the other daemons.
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, _shutdown_done)
-    from cli import observe
+    from outbox_relay.cli import observe
 
     with observe.serve(settings, engine):  # --metrics-port: /metrics, /healthz, /readyz
         uvicorn.Server(config).run()

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from shared.errors import UnavailableError
+from outbox_relay.shared.errors import UnavailableError
 
 T = TypeVar("T")
 log = logging.getLogger("outbox.startup")

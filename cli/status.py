@@ -7,11 +7,11 @@ from typing import Any
 import redis
 from sqlalchemy import Engine, func, select
 
-from consumer import ownership
-from shared import keys
-from shared.db import now_ms, translate_errors
-from shared.redis_conn import translate_redis_errors
-from shared.schema import outbox, relay_leases, stream_groups, stream_trims
+from outbox_relay.consumer import ownership
+from outbox_relay.shared import keys
+from outbox_relay.shared.db import now_ms, translate_errors
+from outbox_relay.shared.redis_conn import translate_redis_errors
+from outbox_relay.shared.schema import outbox, relay_leases, stream_groups, stream_trims
 
 
 def collect(engine: Engine, client: redis.Redis, prefix: str) -> dict[str, Any]:

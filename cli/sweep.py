@@ -10,10 +10,10 @@ from __future__ import annotations
 import argparse
 import json
 
-from consumer.sweeper import sweep
-from producer.runs import store_for
-from shared import db
-from shared.runstate import RunSettings
+from outbox_relay.consumer.sweeper import sweep
+from outbox_relay.producer.runs import store_for
+from outbox_relay.shared import db
+from outbox_relay.shared.runstate import RunSettings
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -23,7 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """One pass; prints how many runs were resumed and failed."""
-    from cli import options
+    from outbox_relay.cli import options
 
     settings = options.load_settings(RunSettings, args)
     engine = db.existing_engine(settings.database_url)

@@ -1,5 +1,5 @@
 """Consumer side: consumer groups, claim-before-ACK, inbox dedup, dead letters."""
 
-from consumer.handlers import Handler, Handlers
+from outbox_relay.consumer.handlers import Handler, Handlers
 
 __all__ = ["Handler", "Handlers"]

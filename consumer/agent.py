@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from shared import runstate as rs
-from shared.errors import OutboxError
+from outbox_relay.shared import runstate as rs
+from outbox_relay.shared.errors import OutboxError
 
 
 @dataclass(frozen=True)

@@ -39,20 +39,20 @@ from typing import TYPE_CHECKING
 import redis
 from sqlalchemy import Connection, Engine
 
-from consumer import inbox, lost, streams
-from consumer import ownership as ownership_
-from consumer.handlers import Handlers
-from consumer.hygiene import HygieneStats
-from consumer.prune import PruneStats
-from consumer.streams import Entry
-from shared import faults, keys, partition_counts
-from shared.envelope import Event
-from shared.errors import InvalidEventError, UnavailableError
-from shared.periodic import Periodic, run_due
-from shared.settings import ConsumerSettings
+from outbox_relay.consumer import inbox, lost, streams
+from outbox_relay.consumer import ownership as ownership_
+from outbox_relay.consumer.handlers import Handlers
+from outbox_relay.consumer.hygiene import HygieneStats
+from outbox_relay.consumer.prune import PruneStats
+from outbox_relay.consumer.streams import Entry
+from outbox_relay.shared import faults, keys, partition_counts
+from outbox_relay.shared.envelope import Event
+from outbox_relay.shared.errors import InvalidEventError, UnavailableError
+from outbox_relay.shared.periodic import Periodic, run_due
+from outbox_relay.shared.settings import ConsumerSettings
 
 if TYPE_CHECKING:
-    from consumer.metrics import ConsumerMetrics
+    from outbox_relay.consumer.metrics import ConsumerMetrics
 
 log = logging.getLogger(__name__)
 

@@ -42,14 +42,19 @@ from typing import Any, cast
 import redis
 from sqlalchemy import Engine, delete
 
-from consumer import inbox, lost
-from consumer.handlers import Handlers
-from shared import keys
-from shared.db import translate_errors
-from shared.envelope import DEFAULT_MAX_DATA_BYTES, Event
-from shared.errors import ConfigError, InvalidEventError, InvalidRequestError, NotFoundError
-from shared.redis_conn import translate_redis_errors
-from shared.schema import inbox as inbox_table
+from outbox_relay.consumer import inbox, lost
+from outbox_relay.consumer.handlers import Handlers
+from outbox_relay.shared import keys
+from outbox_relay.shared.db import translate_errors
+from outbox_relay.shared.envelope import DEFAULT_MAX_DATA_BYTES, Event
+from outbox_relay.shared.errors import (
+    ConfigError,
+    InvalidEventError,
+    InvalidRequestError,
+    NotFoundError,
+)
+from outbox_relay.shared.redis_conn import translate_redis_errors
+from outbox_relay.shared.schema import inbox as inbox_table
 
 log = logging.getLogger(__name__)
 

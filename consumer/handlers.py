@@ -27,7 +27,7 @@ from typing import Literal, Protocol
 
 from sqlalchemy import Connection
 
-from shared.envelope import Event
+from outbox_relay.shared.envelope import Event
 
 Ordering = Literal["strict", "latest"]
 ORDERINGS: tuple[Ordering, ...] = ("strict", "latest")

@@ -44,15 +44,15 @@ from typing import TYPE_CHECKING, Any
 import redis
 from sqlalchemy import Engine
 
-from consumer import ownership
-from shared import keys
-from shared.errors import UnavailableError
-from shared.periodic import Periodic
-from shared.redis_conn import translate_redis_errors
-from shared.settings import ConsumerSettings
+from outbox_relay.consumer import ownership
+from outbox_relay.shared import keys
+from outbox_relay.shared.errors import UnavailableError
+from outbox_relay.shared.periodic import Periodic
+from outbox_relay.shared.redis_conn import translate_redis_errors
+from outbox_relay.shared.settings import ConsumerSettings
 
 if TYPE_CHECKING:
-    from consumer.daemon import Consumer
+    from outbox_relay.consumer.daemon import Consumer
 
 log = logging.getLogger(__name__)
 

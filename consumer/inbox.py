@@ -33,8 +33,8 @@ from sqlalchemy import (
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.sql import Select
 
-from consumer.handlers import Handlers
-from consumer.ordering import (
+from outbox_relay.consumer.handlers import Handlers
+from outbox_relay.consumer.ordering import (
     APPLIED,
     DEAD,
     DUPLICATE,
@@ -49,8 +49,8 @@ from consumer.ordering import (
     aggregate_key,
     decide_batch,
 )
-from shared.db import is_postgres, json_recordset, now_ms, translate_errors
-from shared.schema import inbox, inbox_heads
+from outbox_relay.shared.db import is_postgres, json_recordset, now_ms, translate_errors
+from outbox_relay.shared.schema import inbox, inbox_heads
 
 __all__ = [
     "APPLIED", "DEAD", "DUPLICATE", "FAILED", "OUT_OF_ORDER", "SUPERSEDED", "WAITING",

@@ -26,11 +26,11 @@ from datetime import UTC, datetime
 
 from sqlalchemy import Connection, Engine, insert, select, tuple_
 
-from consumer.streams import Entry, RawFields
-from shared import keys
-from shared.db import now_ms, translate_errors
-from shared.envelope import JSON_CONTENT_TYPE, SPECVERSION
-from shared.schema import inbox, outbox
+from outbox_relay.consumer.streams import Entry, RawFields
+from outbox_relay.shared import keys
+from outbox_relay.shared.db import now_ms, translate_errors
+from outbox_relay.shared.envelope import JSON_CONTENT_TYPE, SPECVERSION
+from outbox_relay.shared.schema import inbox, outbox
 
 LOST = "lost"
 REASON = "trimmed_while_pending"

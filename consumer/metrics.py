@@ -35,13 +35,13 @@ from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from sqlalchemy import Connection
 
-from consumer.handlers import Handler
-from consumer.ordering import DEAD, DUPLICATE, Outcome
-from shared import keys
-from shared.db import now_ms
-from shared.envelope import Event
-from shared.errors import OutboxError
-from shared.metrics import (
+from outbox_relay.consumer.handlers import Handler
+from outbox_relay.consumer.ordering import DEAD, DUPLICATE, Outcome
+from outbox_relay.shared import keys
+from outbox_relay.shared.db import now_ms
+from outbox_relay.shared.envelope import Event
+from outbox_relay.shared.errors import OutboxError
+from outbox_relay.shared.metrics import (
     SECONDS_BUCKETS,
     LabelCache,
     Naming,
@@ -50,10 +50,10 @@ from shared.metrics import (
     discover,
     scrape_up,
 )
-from shared.redis_conn import translate_redis_errors
+from outbox_relay.shared.redis_conn import translate_redis_errors
 
 if TYPE_CHECKING:
-    from consumer.daemon import Consumer
+    from outbox_relay.consumer.daemon import Consumer
 
 log = logging.getLogger(__name__)
 

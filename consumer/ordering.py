@@ -19,11 +19,11 @@ from typing import Any
 from sqlalchemy import Connection, exc
 from sqlalchemy import exc as sa_exc
 
-from consumer.handlers import Handler, Handlers
-from shared import tracing
-from shared.db import is_postgres
-from shared.envelope import Event
-from shared.errors import UnavailableError
+from outbox_relay.consumer.handlers import Handler, Handlers
+from outbox_relay.shared import tracing
+from outbox_relay.shared.db import is_postgres
+from outbox_relay.shared.envelope import Event
+from outbox_relay.shared.errors import UnavailableError
 
 log = logging.getLogger(__name__)
 

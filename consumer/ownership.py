@@ -28,10 +28,10 @@ from typing import Any
 from sqlalchemy import Connection, Engine, and_, delete, func, or_, select, tuple_, update
 from sqlalchemy.dialects import postgresql, sqlite
 
-from shared.db import db_now_ms, is_postgres, translate_errors
-from shared.errors import LeaseLostError
-from shared.schema import consumer_leases as leases
-from shared.schema import consumer_nodes as nodes
+from outbox_relay.shared.db import db_now_ms, is_postgres, translate_errors
+from outbox_relay.shared.errors import LeaseLostError
+from outbox_relay.shared.schema import consumer_leases as leases
+from outbox_relay.shared.schema import consumer_nodes as nodes
 
 log = logging.getLogger(__name__)
 

@@ -51,11 +51,11 @@ from typing import Any, cast
 import redis
 from sqlalchemy import Connection, Engine, and_, delete, func, or_, select, tuple_
 
-from consumer.ordering import APPLIED, SUPERSEDED
-from shared import keys
-from shared.db import db_now_ms, is_postgres, translate_errors
-from shared.redis_conn import translate_redis_errors
-from shared.schema import inbox, inbox_heads, outbox, stream_trims
+from outbox_relay.consumer.ordering import APPLIED, SUPERSEDED
+from outbox_relay.shared import keys
+from outbox_relay.shared.db import db_now_ms, is_postgres, translate_errors
+from outbox_relay.shared.redis_conn import translate_redis_errors
+from outbox_relay.shared.schema import inbox, inbox_heads, outbox, stream_trims
 
 log = logging.getLogger(__name__)
 

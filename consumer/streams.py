@@ -10,8 +10,8 @@ from typing import Any
 
 import redis
 
-from shared import keys
-from shared.redis_conn import translate_redis_errors
+from outbox_relay.shared import keys
+from outbox_relay.shared.redis_conn import translate_redis_errors
 
 log = logging.getLogger(__name__)
 

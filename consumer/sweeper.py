@@ -17,10 +17,15 @@ from dataclasses import dataclass
 
 from sqlalchemy import Engine
 
-from producer.runs import RunStore
-from shared import runstate as rs
-from shared.db import now_ms, translate_errors
-from shared.errors import ConflictError, InvalidTransitionError, NotFoundError, OutboxError
+from outbox_relay.producer.runs import RunStore
+from outbox_relay.shared import runstate as rs
+from outbox_relay.shared.db import now_ms, translate_errors
+from outbox_relay.shared.errors import (
+    ConflictError,
+    InvalidTransitionError,
+    NotFoundError,
+    OutboxError,
+)
 
 log = logging.getLogger(__name__)
 

@@ -35,17 +35,17 @@ from dataclasses import dataclass, field
 
 from sqlalchemy import Connection, Engine
 
-from consumer.agent import Agent, AgentError, StageContext
-from consumer.groupcommit import GroupCommit
-from consumer.handlers import Handlers
-from consumer.sweeper import Sweeper
-from producer.runs import RunRow, RunStore, store_for
-from shared import faults
-from shared import runstate as rs
-from shared.db import check_schema, make_engine, translate_errors
-from shared.envelope import Event
-from shared.errors import ConflictError, LeaseLostError, NotFoundError, OutboxError
-from shared.settings import ConsumerSettings
+from outbox_relay.consumer.agent import Agent, AgentError, StageContext
+from outbox_relay.consumer.groupcommit import GroupCommit
+from outbox_relay.consumer.handlers import Handlers
+from outbox_relay.consumer.sweeper import Sweeper
+from outbox_relay.producer.runs import RunRow, RunStore, store_for
+from outbox_relay.shared import faults
+from outbox_relay.shared import runstate as rs
+from outbox_relay.shared.db import check_schema, make_engine, translate_errors
+from outbox_relay.shared.envelope import Event
+from outbox_relay.shared.errors import ConflictError, LeaseLostError, NotFoundError, OutboxError
+from outbox_relay.shared.settings import ConsumerSettings
 
 log = logging.getLogger(__name__)
 

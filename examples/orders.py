@@ -11,11 +11,7 @@ import sys
 
 from sqlalchemy import Connection, text
 
-from consumer import Handlers
-from producer import Producer
-from shared.db import make_engine, upgrade
-from shared.envelope import Event
-from shared.settings import CommonSettings
+from outbox_relay import CommonSettings, Event, Handlers, Producer, make_engine, upgrade
 
 # partitions: the same OUTBOX_PARTITIONS as the relays and consumers (checked at first write)
 outbox = Producer(source="shop", partitions=CommonSettings().partitions)

@@ -1,5 +1,5 @@
 """Producer side: write state and its outbox event in the caller's own transaction."""
 
-from producer.enqueue import Producer
+from outbox_relay.producer.enqueue import Producer
 
 __all__ = ["Producer"]

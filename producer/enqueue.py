@@ -30,11 +30,11 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 from sqlalchemy.orm import Session
 from sqlalchemy.sql.compiler import SQLCompiler
 
-from shared import faults, keys, partition_counts, tracing
-from shared.db import db_now_ms, now_ms
-from shared.envelope import DEFAULT_MAX_DATA_BYTES, MAX_ID_LENGTH, MAX_REVISION
-from shared.errors import DuplicateEventError, InvalidEventError
-from shared.schema import outbox
+from outbox_relay.shared import faults, keys, partition_counts, tracing
+from outbox_relay.shared.db import db_now_ms, now_ms
+from outbox_relay.shared.envelope import DEFAULT_MAX_DATA_BYTES, MAX_ID_LENGTH, MAX_REVISION
+from outbox_relay.shared.errors import DuplicateEventError, InvalidEventError
+from outbox_relay.shared.schema import outbox
 
 _TRACEPARENT = re.compile(r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$")
 _TRACESTATE = re.compile(r"^[\x20-\x7e]{1,512}$")

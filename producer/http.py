@@ -28,10 +28,10 @@ from sqlalchemy import Engine
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from producer.runs import RunStore
-from shared import runstate as rs
-from shared.db import translate_errors
-from shared.errors import (
+from outbox_relay.producer.runs import RunStore
+from outbox_relay.shared import runstate as rs
+from outbox_relay.shared.db import translate_errors
+from outbox_relay.shared.errors import (
     ConflictError,
     IdempotencyConflictError,
     InvalidRequestError,

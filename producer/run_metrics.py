@@ -14,10 +14,10 @@ from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from sqlalchemy import Engine, func, select
 
-from shared import runstate as rs
-from shared.db import translate_errors
-from shared.errors import OutboxError
-from shared.schema import runs
+from outbox_relay.shared import runstate as rs
+from outbox_relay.shared.db import translate_errors
+from outbox_relay.shared.errors import OutboxError
+from outbox_relay.shared.schema import runs
 
 log = logging.getLogger(__name__)
 

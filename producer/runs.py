@@ -24,10 +24,10 @@ from typing import Any
 from sqlalchemy import Connection, exists, insert, or_, select, update
 from sqlalchemy.exc import IntegrityError
 
-from producer.enqueue import Producer
-from shared import runstate as rs
-from shared.db import now_ms
-from shared.errors import (
+from outbox_relay.producer.enqueue import Producer
+from outbox_relay.shared import runstate as rs
+from outbox_relay.shared.db import now_ms
+from outbox_relay.shared.errors import (
     ConflictError,
     CorruptRecordError,
     IdempotencyConflictError,
@@ -36,8 +36,8 @@ from shared.errors import (
     LeaseLostError,
     NotFoundError,
 )
-from shared.schema import outbox, runs
-from shared.settings import CommonSettings
+from outbox_relay.shared.schema import outbox, runs
+from outbox_relay.shared.settings import CommonSettings
 
 RUNS_STREAM = "runs"
 AGGREGATE = "run"

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from shared import runstate as rs
-from shared.settings import DaemonSettings
+from outbox_relay.shared import runstate as rs
+from outbox_relay.shared.settings import DaemonSettings
 
 
 class ServeSettings(DaemonSettings, rs.RunSettings):

@@ -28,12 +28,12 @@ from typing import Any
 
 import redis
 
-from relay import entry_ids, fence
-from relay.claim import OutboxRow
-from shared import keys, tracing
-from shared.envelope import encode_fields
-from shared.errors import StreamBehindError, UnavailableError
-from shared.redis_conn import translate_redis_errors
+from outbox_relay.relay import entry_ids, fence
+from outbox_relay.relay.claim import OutboxRow
+from outbox_relay.shared import keys, tracing
+from outbox_relay.shared.envelope import encode_fields
+from outbox_relay.shared.errors import StreamBehindError, UnavailableError
+from outbox_relay.shared.redis_conn import translate_redis_errors
 
 log = logging.getLogger(__name__)
 

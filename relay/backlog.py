@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 from sqlalchemy import Engine, func, select
 
-from shared.db import translate_errors
-from shared.schema import outbox
+from outbox_relay.shared.db import translate_errors
+from outbox_relay.shared.schema import outbox
 
 
 @dataclass(frozen=True)

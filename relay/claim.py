@@ -33,9 +33,9 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects import postgresql
 
-from relay import entry_ids
-from shared.db import is_postgres, now_ms
-from shared.schema import outbox, relay_leases
+from outbox_relay.relay import entry_ids
+from outbox_relay.shared.db import is_postgres, now_ms
+from outbox_relay.shared.schema import outbox, relay_leases
 
 
 @dataclass(frozen=True)

@@ -29,17 +29,17 @@ from typing import TYPE_CHECKING
 import redis
 from sqlalchemy import Engine
 
-from relay import append, claim, repair, store, trim
-from relay.prune import PruneStats
-from relay.wakeup import Wakeup
-from shared import faults, keys, partition_counts
-from shared.db import is_postgres, now_ms
-from shared.errors import LeaseLostError, StreamBehindError, UnavailableError
-from shared.periodic import Periodic, run_due
-from shared.settings import RelaySettings
+from outbox_relay.relay import append, claim, repair, store, trim
+from outbox_relay.relay.prune import PruneStats
+from outbox_relay.relay.wakeup import Wakeup
+from outbox_relay.shared import faults, keys, partition_counts
+from outbox_relay.shared.db import is_postgres, now_ms
+from outbox_relay.shared.errors import LeaseLostError, StreamBehindError, UnavailableError
+from outbox_relay.shared.periodic import Periodic, run_due
+from outbox_relay.shared.settings import RelaySettings
 
 if TYPE_CHECKING:
-    from relay.metrics import RelayMetrics
+    from outbox_relay.relay.metrics import RelayMetrics
 
 log = logging.getLogger(__name__)
 

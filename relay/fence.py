@@ -20,8 +20,8 @@ from typing import Any
 
 import redis
 
-from shared.errors import LeaseLostError
-from shared.redis_conn import translate_redis_errors
+from outbox_relay.shared.errors import LeaseLostError
+from outbox_relay.shared.redis_conn import translate_redis_errors
 
 PRELUDE = """
 local fence = tonumber(redis.call('GET', KEYS[2]) or '0')

@@ -28,10 +28,10 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from relay import backlog
-from shared.db import now_ms
-from shared.errors import OutboxError, UnavailableError
-from shared.metrics import (
+from outbox_relay.relay import backlog
+from outbox_relay.shared.db import now_ms
+from outbox_relay.shared.errors import OutboxError, UnavailableError
+from outbox_relay.shared.metrics import (
     SECONDS_BUCKETS,
     SIZE_BUCKETS,
     LabelCache,
@@ -39,11 +39,11 @@ from shared.metrics import (
     StatsCollector,
     discover,
 )
-from shared.metrics import scrape_up as scrape_up_family
+from outbox_relay.shared.metrics import scrape_up as scrape_up_family
 
 if TYPE_CHECKING:
-    from relay.append import Verdicts
-    from relay.daemon import Relay
+    from outbox_relay.relay.append import Verdicts
+    from outbox_relay.relay.daemon import Relay
 
 log = logging.getLogger(__name__)
 

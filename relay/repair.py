@@ -43,13 +43,13 @@ from dataclasses import dataclass, field
 import redis
 from sqlalchemy import Engine
 
-from relay import append, claim, entry_ids, store
-from relay import repair_streams as streams
-from relay.repair_streams import Entry, StreamState
-from shared import keys
-from shared.db import now_ms
-from shared.errors import LeaseLostError
-from shared.settings import RelaySettings
+from outbox_relay.relay import append, claim, entry_ids, store
+from outbox_relay.relay import repair_streams as streams
+from outbox_relay.relay.repair_streams import Entry, StreamState
+from outbox_relay.shared import keys
+from outbox_relay.shared.db import now_ms
+from outbox_relay.shared.errors import LeaseLostError
+from outbox_relay.shared.settings import RelaySettings
 
 log = logging.getLogger(__name__)
 

@@ -34,8 +34,8 @@ from typing import Any
 
 import redis
 
-from relay import entry_ids, fence
-from shared.redis_conn import translate_redis_errors
+from outbox_relay.relay import entry_ids, fence
+from outbox_relay.shared.redis_conn import translate_redis_errors
 
 Fields = Sequence[bytes | str]
 

@@ -32,8 +32,8 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects import postgresql, sqlite
 
-from relay import entry_ids
-from relay.claim import (
+from outbox_relay.relay import entry_ids
+from outbox_relay.relay.claim import (
     Batch,
     OutboxRow,
     claim_fresh,
@@ -43,9 +43,15 @@ from relay.claim import (
     record,
     recorded_rows,
 )
-from shared.db import db_now_ms, is_postgres, json_recordset, now_ms, translate_errors
-from shared.errors import LeaseLostError
-from shared.schema import outbox, relay_leases, relay_nodes, stream_groups, stream_trims
+from outbox_relay.shared.db import db_now_ms, is_postgres, json_recordset, now_ms, translate_errors
+from outbox_relay.shared.errors import LeaseLostError
+from outbox_relay.shared.schema import (
+    outbox,
+    relay_leases,
+    relay_nodes,
+    stream_groups,
+    stream_trims,
+)
 
 
 def _upsert(conn: Connection) -> Any:

@@ -50,12 +50,12 @@ from dataclasses import dataclass
 import redis
 from sqlalchemy import Engine
 
-from relay import entry_ids, fence, store
-from shared import keys
-from shared.db import now_ms
-from shared.errors import LeaseLostError
-from shared.redaction import redact_url
-from shared.settings import RetentionSettings
+from outbox_relay.relay import entry_ids, fence, store
+from outbox_relay.shared import keys
+from outbox_relay.shared.db import now_ms
+from outbox_relay.shared.errors import LeaseLostError
+from outbox_relay.shared.redaction import redact_url
+from outbox_relay.shared.settings import RetentionSettings
 
 log = logging.getLogger(__name__)
 

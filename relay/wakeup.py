@@ -15,7 +15,7 @@ from typing import Any
 
 from sqlalchemy.engine import make_url
 
-from shared.redaction import redact_url
+from outbox_relay.shared.redaction import redact_url
 
 log = logging.getLogger(__name__)
 

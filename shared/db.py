@@ -41,7 +41,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.sql.selectable import TableValuedAlias
 
-from shared.errors import (
+from outbox_relay.shared.errors import (
     CannotConnectError,
     ConfigError,
     OutboxError,
@@ -49,7 +49,7 @@ from shared.errors import (
     SchemaTooNewError,
     UnavailableError,
 )
-from shared.redaction import redact_url
+from outbox_relay.shared.redaction import redact_url
 
 log = logging.getLogger(__name__)
 
@@ -160,7 +160,13 @@ def _custom_plans(engine: Engine) -> None:
 def _url_errors(url: str) -> Iterator[None]:
     try:
         yield
-    except (exc.ArgumentError, ImportError, ValueError) as err:  # ValueError: a bad port
+    except ImportError as err:  # the driver is not installed: name the extra that brings it
+        log.debug("database driver missing: %s", err)
+        extra = ("postgres" if url.startswith("postgres")
+                 else "sqlite-async" if "aiosqlite" in str(err) else None)
+        hint = f" (pip install 'outbox-relay[{extra}]')" if extra else ""
+        raise ConfigError(f"the driver for {redact_url(url)} is not installed{hint}") from None
+    except (exc.ArgumentError, ValueError) as err:  # ValueError: a bad port
         log.debug("database URL error: %s", redact_url(str(err)))
         raise ConfigError(f"invalid or unsupported database URL {redact_url(url)}") from None
 

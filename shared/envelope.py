@@ -22,7 +22,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from shared.errors import InvalidEventError
+from outbox_relay.shared.errors import InvalidEventError
 
 SPECVERSION = "1.0"
 JSON_CONTENT_TYPE = "application/json"

@@ -20,7 +20,7 @@ import os
 import random
 import signal
 
-from shared.errors import ConfigError
+from outbox_relay.shared.errors import ConfigError
 
 ENV = "OUTBOX_FAULTS"
 SEED_ENV = "OUTBOX_FAULTS_SEED"

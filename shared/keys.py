@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 import zlib
 
-from shared.errors import ConfigError
+from outbox_relay.shared.errors import ConfigError
 
 DEFAULT_PREFIX = "outbox"
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")

@@ -3,8 +3,9 @@
 ``OUTBOX_LOG_FORMAT=text`` (the default) writes ``<time> <LEVEL> <logger> <message>`` and the
 traceback, if any, below it. ``OUTBOX_LOG_FORMAT=json`` writes one object per record::
 
-    {"time": "2025-01-31T12:00:00.123Z", "level": "WARNING", "logger": "consumer.ordering",
-     "message": "...", "event_id": "...", "event_type": "...", "exc": "Traceback ..."}
+    {"time": "2025-01-31T12:00:00.123Z", "level": "WARNING",
+     "logger": "outbox_relay.consumer.ordering", "message": "...", "event_id": "...",
+     "event_type": "...", "exc": "Traceback ..."}
 
 ``time`` is ISO 8601 in UTC (milliseconds); ``exc`` (the formatted traceback) is present only
 when the record carries an exception. Every other key is a structured field the call site
@@ -22,7 +23,7 @@ import sys
 from datetime import UTC, datetime
 from typing import Any, Literal, TextIO
 
-from shared.redaction import RedactingFilter, redact_url
+from outbox_relay.shared.redaction import RedactingFilter, redact_url
 
 LogFormat = Literal["text", "json"]
 LOG_FORMATS: tuple[LogFormat, ...] = ("text", "json")

@@ -25,7 +25,7 @@ from prometheus_client import Counter, Histogram
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from shared.periodic import Periodic
+from outbox_relay.shared.periodic import Periodic
 
 log = logging.getLogger(__name__)
 

@@ -30,8 +30,8 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.openmetrics import exposition as openmetrics
 
-from shared.errors import OutboxError
-from shared.redaction import redact_url
+from outbox_relay.shared.errors import OutboxError
+from outbox_relay.shared.redaction import redact_url
 
 log = logging.getLogger(__name__)
 

@@ -17,9 +17,9 @@ import weakref
 from sqlalchemy import Connection, Engine, select
 from sqlalchemy.dialects import postgresql, sqlite
 
-from shared.db import now_ms, translate_errors
-from shared.errors import ConfigError
-from shared.schema import streams
+from outbox_relay.shared.db import now_ms, translate_errors
+from outbox_relay.shared.errors import ConfigError
+from outbox_relay.shared.schema import streams
 
 CHECK_INTERVAL_S = 30.0
 """How often the daemons compare their count with the recorded ones."""

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from shared.errors import UnavailableError
+from outbox_relay.shared.errors import UnavailableError
 
 log = logging.getLogger(__name__)
 

@@ -30,6 +30,8 @@ class RedactingFilter(logging.Filter):
 def configure_logging(level: str, fmt: str = "text") -> None:
     """Root logging for a daemon (kept here for existing imports): see
     :func:`shared.logs.configure_logging`."""
-    from shared.logs import configure_logging as configure  # shared.logs imports this module
+    from outbox_relay.shared.logs import (
+        configure_logging as configure,  # shared.logs imports this module
+    )
 
     configure(level, fmt)

@@ -9,8 +9,8 @@ from collections.abc import Iterator
 import redis
 from redis.exceptions import NoPermissionError
 
-from shared.errors import CannotConnectError, ConfigError, UnavailableError
-from shared.redaction import redact_url
+from outbox_relay.shared.errors import CannotConnectError, ConfigError, UnavailableError
+from outbox_relay.shared.redaction import redact_url
 
 log = logging.getLogger(__name__)
 

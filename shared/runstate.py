@@ -31,8 +31,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from shared.errors import InvalidTransitionError
-from shared.settings import CommonSettings
+from outbox_relay.shared.errors import InvalidTransitionError
+from outbox_relay.shared.settings import CommonSettings
 
 QUEUED = "queued"
 INGESTING_INPUTS = "ingesting_inputs"

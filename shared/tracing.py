@@ -29,7 +29,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
-from shared.redaction import redact_url
+from outbox_relay.shared.redaction import redact_url
 
 try:
     from opentelemetry import trace

@@ -15,7 +15,7 @@ import pytest
 import redis
 from sqlalchemy import Engine, create_engine, text
 
-from shared import db
+from outbox_relay.shared import db
 
 REDIS_URL = os.environ.get("OUTBOX_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 PG_ADMIN_URL = os.environ.get(

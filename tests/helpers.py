@@ -21,11 +21,11 @@ from typing import Any
 import redis
 from sqlalchemy import Column, Connection, Engine, Integer, MetaData, String, Table, select
 
-from producer import Producer
-from shared import keys
-from shared.envelope import Event
-from shared.schema import outbox
-from shared.settings import ConsumerSettings, RelaySettings
+from outbox_relay.producer import Producer
+from outbox_relay.shared import keys
+from outbox_relay.shared.envelope import Event
+from outbox_relay.shared.schema import outbox
+from outbox_relay.shared.settings import ConsumerSettings, RelaySettings
 from tests.conftest import REDIS_URL
 
 PARTITIONS = 4

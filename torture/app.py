@@ -36,10 +36,10 @@ from sqlalchemy import (
     Table,
 )
 
-from consumer import Handlers
-from shared.db import now_ms
-from shared.envelope import Event
-from shared.settings import ConsumerSettings
+from outbox_relay.consumer import Handlers
+from outbox_relay.shared.db import now_ms
+from outbox_relay.shared.envelope import Event
+from outbox_relay.shared.settings import ConsumerSettings
 
 STRICT_TYPES = frozenset({"item.changed", "item.noted"})
 LATEST_TYPES = frozenset({"item.touched"})  # and "*": every type not named here

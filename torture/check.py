@@ -60,8 +60,8 @@ from typing import Any
 import redis
 from sqlalchemy import Engine, func, select
 
-from shared import keys
-from shared.schema import inbox, outbox, runs, stream_trims
+from outbox_relay.shared import keys
+from outbox_relay.shared.schema import inbox, outbox, runs, stream_trims
 from torture import app, ledger
 from torture.order import (
     AggregateKey,

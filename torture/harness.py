@@ -32,9 +32,9 @@ from typing import Any
 
 from sqlalchemy import Engine, create_engine, func, select, text
 
-from shared import db, keys
-from shared.schema import outbox, runs
-from shared.settings import parse_duration
+from outbox_relay.shared import db, keys
+from outbox_relay.shared.schema import outbox, runs
+from outbox_relay.shared.settings import parse_duration
 from torture import app, check, ledger
 from torture.chaos import Chaos, Plan, terminate_backends_by_app_name
 from torture.procs import Child, RedisServer, base_env, outbox_argv
@@ -183,7 +183,7 @@ def children(env: dict[str, str], log_dir: Path, seed: int, workers: bool) -> li
                       "OUTBOX_DEMO_STAGE_MS": "5"}
         for i in range(2):
             made.append(Child(f"worker-{i}", "worker",
-                              outbox_argv("consume", "--app", "cli.demo_app:handlers"),
+                              outbox_argv("consume", "--app", "outbox_relay.cli.demo_app:handlers"),
                               {**env, **worker_env, "OUTBOX_CONSUMER": f"w{i}"}, log_dir,
                               seed=seed))
     return made

@@ -44,8 +44,8 @@ from sqlalchemy import (
     select,
 )
 
-from shared.db import is_postgres
-from shared.schema import inbox, inbox_heads, outbox, stream_trims
+from outbox_relay.shared.db import is_postgres
+from outbox_relay.shared.schema import inbox, inbox_heads, outbox, stream_trims
 
 metadata = MetaData()
 

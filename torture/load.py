@@ -37,11 +37,11 @@ from types import FrameType
 from sqlalchemy import Engine, select, update
 from sqlalchemy.exc import DBAPIError, IntegrityError
 
-from producer import Producer
-from producer.runs import RunStore
-from shared import db
-from shared.errors import UnavailableError
-from shared.settings import CommonSettings
+from outbox_relay.producer import Producer
+from outbox_relay.producer.runs import RunStore
+from outbox_relay.shared import db
+from outbox_relay.shared.errors import UnavailableError
+from outbox_relay.shared.settings import CommonSettings
 from torture.app import aggregates
 
 EVENTS_STREAM = "events"

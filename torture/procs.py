@@ -207,7 +207,7 @@ class RedisServer:
 
 def outbox_argv(*args: str) -> list[str]:
     """``python -m cli.main …`` with this interpreter."""
-    return [sys.executable, "-m", "cli.main", *args]
+    return [sys.executable, "-m", "outbox_relay", *args]
 
 
 def base_env() -> dict[str, str]:

@@ -41,9 +41,9 @@ from typing import Any
 import redis
 from sqlalchemy import Engine, func, select
 
-from shared import db, keys
-from shared.schema import inbox, inbox_heads, outbox
-from shared.settings import parse_duration
+from outbox_relay.shared import db, keys
+from outbox_relay.shared.schema import inbox, inbox_heads, outbox
+from outbox_relay.shared.settings import parse_duration
 from torture import app, check, harness, ledger
 from torture.procs import Child, RedisServer, base_env, outbox_argv
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from alembic import context
 
-from shared.schema import metadata
+from outbox_relay.shared.schema import metadata
 
 VERSION_TABLE = "outbox_schema_version"
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from shared.settings import CommonSettings, ConsumerSettings, RelaySettings
+from outbox_relay.shared.settings import CommonSettings, ConsumerSettings, RelaySettings
 from tests.conftest import REDIS_URL
 from tests.helpers import PARTITIONS, enqueue_events
 
@@ -90,7 +90,7 @@ def test_flag_overrides_environment(tmp_path: Path) -> None:
 def test_relay_until_idle_then_status_json(
     tmp_path: Path, redis_client: redis.Redis, key_prefix: str
 ) -> None:
-    from shared import db
+    from outbox_relay.shared import db
 
     url = f"sqlite:///{tmp_path}/x.db"
     env = {"OUTBOX_DATABASE_URL": url, "OUTBOX_REDIS_URL": REDIS_URL,
@@ -233,12 +233,13 @@ def test_log_level_debug_works_on_one_shot_commands(tmp_path: Path) -> None:
     result = outbox("db", "check", "--database-url", "postgresql://u:hunter2@127.0.0.1:1/x",
                     "--startup-timeout-s", "0", "--log-level", "DEBUG")
     assert result.returncode == 1
-    assert "DEBUG shared.db connect error: " in result.stderr  # the driver's text, redacted
+    # the driver's text, redacted
+    assert "DEBUG outbox_relay.shared.db connect error: " in result.stderr
     assert "hunter2" not in result.stderr
 
 
 def test_relay_until_idle_gives_up_on_a_redis_that_is_down(tmp_path: Path) -> None:
-    from shared import db
+    from outbox_relay.shared import db
 
     url = f"sqlite:///{tmp_path}/x.db"
     engine = db.make_engine(url)
@@ -257,7 +258,7 @@ def test_relay_until_idle_gives_up_on_a_redis_that_is_down(tmp_path: Path) -> No
 def test_relay_waits_for_a_database_that_comes_up_after_it(
     tmp_path: Path, key_prefix: str, redis_client: redis.Redis
 ) -> None:
-    from shared import db
+    from outbox_relay.shared import db
     from tests.helpers import stream_entries, wait_until
 
     url = f"sqlite:///{tmp_path}/later/outbox.db"  # its folder does not exist yet: unavailable

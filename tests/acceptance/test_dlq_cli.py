@@ -17,17 +17,18 @@ import pytest
 import redis
 from sqlalchemy import select
 
-from consumer import Handlers
-from consumer.daemon import Consumer
-from shared import db, keys
-from shared.schema import inbox
-from shared.settings import ConsumerSettings
+from outbox_relay.consumer import Handlers
+from outbox_relay.consumer.daemon import Consumer
+from outbox_relay.shared import db, keys
+from outbox_relay.shared.schema import inbox
+from outbox_relay.shared.settings import ConsumerSettings
 from tests.conftest import REDIS_URL
 
 pytestmark = pytest.mark.acceptance
 
 ROOT = Path(__file__).resolve().parents[2]
 GROUP = "cli-g"
+DEMO_APP = "outbox_relay.cli.demo_app:handlers"
 
 
 def event(kind: str = "run.created") -> dict[bytes, bytes]:
@@ -46,7 +47,7 @@ def env(tmp_path: Path, key_prefix: str, redis_client: redis.Redis) -> dict[str,
 
 
 def outbox(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "cli.main", *args], cwd=ROOT, env=env,
+    return subprocess.run([sys.executable, "-m", "outbox_relay", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=60)
 
 
@@ -86,13 +87,13 @@ def test_list_show_replay(env: dict[str, str], redis_client: redis.Redis) -> Non
     missing = outbox(env, "dlq", "show", "runs:0:1-1")
     assert missing.returncode == 1 and "error not_found" in missing.stderr
 
-    one = outbox(env, "dlq", "replay", listed[0]["id"], "--app", "cli.demo_app:handlers")
+    one = outbox(env, "dlq", "replay", listed[0]["id"], "--app", DEMO_APP)
     assert one.returncode == 0, one.stdout + one.stderr
     assert "applied" in one.stdout and "1 replayed" in one.stdout
-    again = outbox(env, "dlq", "replay", listed[0]["id"], "--app", "cli.demo_app:handlers")
+    again = outbox(env, "dlq", "replay", listed[0]["id"], "--app", DEMO_APP)
     assert again.returncode == 1 and "error not_found" in again.stderr
 
-    rest = outbox(env, "dlq", "replay", "--all", "--app", "cli.demo_app:handlers", "--json")
+    rest = outbox(env, "dlq", "replay", "--all", "--app", DEMO_APP, "--json")
     assert rest.returncode == 1  # the unparsable letter stays
     outcomes = {r["letter_id"]: (r["outcome"], r["removed"]) for r in json.loads(rest.stdout)}
     assert outcomes == {listed[1]["id"]: ("applied", True),
@@ -117,7 +118,7 @@ def test_replay_all_without_a_group_lists_the_groups_that_have_letters(
 ) -> None:
     make_dead_letters(env, redis_client)
     no_group = {k: v for k, v in env.items() if k != "OUTBOX_GROUP"}
-    result = outbox(no_group, "dlq", "replay", "--all", "--app", "cli.demo_app:handlers")
+    result = outbox(no_group, "dlq", "replay", "--all", "--app", DEMO_APP)
     assert result.returncode == 2
     assert result.stderr.strip() == ("error invalid_config: replay --all needs --group (or "
                                      f"OUTBOX_GROUP): letters by group: {GROUP}: 3")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from cli.main import build_parser
+from outbox_relay.cli.main import build_parser
 from tests.acceptance.test_cli import outbox
 from tests.conftest import REDIS_URL
 from tests.helpers import PARTITIONS
@@ -74,4 +74,4 @@ def test_a_daemon_logs_json_lines(tmp_path: Path, key_prefix: str) -> None:
     lines = [json.loads(line) for line in result.stderr.splitlines()]
     started = [r for r in lines if r["message"] == "relay relay-json started"]
     assert started and started[0]["node"] == "relay-json"
-    assert started[0]["level"] == "INFO" and started[0]["logger"] == "relay.daemon"
+    assert started[0]["level"] == "INFO" and started[0]["logger"] == "outbox_relay.relay.daemon"

@@ -15,8 +15,8 @@ import httpx
 import pytest
 from sqlalchemy import Engine
 
-from producer.runs import RunStore
-from shared import runstate as rs
+from outbox_relay.producer.runs import RunStore
+from outbox_relay.shared import runstate as rs
 
 pytestmark = pytest.mark.acceptance
 
@@ -40,7 +40,8 @@ def server(engine: Engine, database_url: str, key_prefix: str, tmp_path: Path) -
     env = {**os.environ, "OUTBOX_DATABASE_URL": database_url, "OUTBOX_KEY_PREFIX": key_prefix,
            "OUTBOX_MAX_BODY_BYTES": "2048"}
     with log.open("wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "cli.main", "serve", "--port", str(port)],
+        proc = subprocess.Popen([sys.executable, "-m", "outbox_relay", "serve", "--port",
+                                 str(port)],
                                 env=env, stdout=out, stderr=out)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 30

@@ -9,10 +9,10 @@ import pytest
 from sqlalchemy import Engine, select
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 
-from producer import Producer
-from shared import db
-from shared.errors import DuplicateEventError, InvalidEventError
-from shared.schema import outbox
+from outbox_relay.producer import Producer
+from outbox_relay.shared import db
+from outbox_relay.shared.errors import DuplicateEventError, InvalidEventError
+from outbox_relay.shared.schema import outbox
 
 pytestmark = pytest.mark.integration
 

@@ -13,13 +13,13 @@ import pytest
 import redis
 from sqlalchemy import Connection, Engine, select
 
-from consumer import Handlers, streams
-from consumer.daemon import Consumer
-from relay.daemon import Relay
-from shared import keys
-from shared.envelope import Event
-from shared.errors import UnavailableError
-from shared.schema import inbox
+from outbox_relay.consumer import Handlers, streams
+from outbox_relay.consumer.daemon import Consumer
+from outbox_relay.relay.daemon import Relay
+from outbox_relay.shared import keys
+from outbox_relay.shared.envelope import Event
+from outbox_relay.shared.errors import UnavailableError
+from outbox_relay.shared.schema import inbox
 from tests.helpers import (
     GROUP,
     PARTITIONS,

@@ -11,13 +11,13 @@ import pytest
 import redis
 from sqlalchemy import Column, Connection, Engine, MetaData, String, Table, func, select
 
-from consumer import Handlers, dead_letters
-from consumer.daemon import Consumer
-from shared import keys
-from shared.envelope import Event
-from shared.errors import InvalidRequestError, NotFoundError
-from shared.schema import inbox, inbox_heads
-from shared.settings import ConsumerSettings
+from outbox_relay.consumer import Handlers, dead_letters
+from outbox_relay.consumer.daemon import Consumer
+from outbox_relay.shared import keys
+from outbox_relay.shared.envelope import Event
+from outbox_relay.shared.errors import InvalidRequestError, NotFoundError
+from outbox_relay.shared.schema import inbox, inbox_heads
+from outbox_relay.shared.settings import ConsumerSettings
 
 pytestmark = pytest.mark.integration
 

@@ -15,10 +15,10 @@ import pytest
 import redis
 from sqlalchemy import Engine, func, select
 
-from producer import Producer
-from shared import faults, keys
-from shared.errors import ConfigError
-from shared.schema import inbox, outbox
+from outbox_relay.producer import Producer
+from outbox_relay.shared import faults, keys
+from outbox_relay.shared.errors import ConfigError
+from outbox_relay.shared.schema import inbox, outbox
 from tests.conftest import REDIS_URL
 from torture import app
 
@@ -67,7 +67,7 @@ def _env(database_url: str, prefix: str, spec: str = "") -> dict[str, str]:
 
 def _outbox(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "cli.main", *args], env=env, cwd=ROOT, capture_output=True,
+        [sys.executable, "-m", "outbox_relay", *args], env=env, cwd=ROOT, capture_output=True,
         text=True, timeout=60, check=False,
     )
 
@@ -142,7 +142,7 @@ def test_consumer_killed_at_a_point_then_restarted_applies_each_event_once(
     assert f"outbox-fault: {point}" in killed.stderr
 
     proc = subprocess.Popen(
-        [sys.executable, "-m", "cli.main", *argv], env=_env(database_url, key_prefix), cwd=ROOT,
+        [sys.executable, "-m", "outbox_relay", *argv], env=_env(database_url, key_prefix), cwd=ROOT,
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     try:
@@ -171,8 +171,8 @@ def _pending(client: redis.Redis, prefix: str) -> int:
 PRODUCER = """
 import sys
 from sqlalchemy import text
-from producer import Producer
-from shared import db
+from outbox_relay.producer import Producer
+from outbox_relay.shared import db
 engine = db.make_engine(sys.argv[1])
 with engine.begin() as conn:
     Producer(partitions=2, key_prefix=sys.argv[2]).enqueue(

@@ -19,13 +19,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sqlalchemy import Connection, Engine, select
 
-from consumer import Handlers
-from consumer.daemon import Consumer
-from shared import keys
-from shared.envelope import Event
-from shared.errors import InvalidEventError
-from shared.schema import inbox
-from shared.settings import ConsumerSettings
+from outbox_relay.consumer import Handlers
+from outbox_relay.consumer.daemon import Consumer
+from outbox_relay.shared import keys
+from outbox_relay.shared.envelope import Event
+from outbox_relay.shared.errors import InvalidEventError
+from outbox_relay.shared.schema import inbox
+from outbox_relay.shared.settings import ConsumerSettings
 
 pytestmark = pytest.mark.integration
 

@@ -11,11 +11,11 @@ import pytest
 import redis
 from sqlalchemy import Connection, Engine
 
-from consumer import inbox
-from consumer.daemon import Consumer
-from consumer.handlers import Handlers
-from shared.envelope import Event
-from shared.logs import JsonFormatter
+from outbox_relay.consumer import inbox
+from outbox_relay.consumer.daemon import Consumer
+from outbox_relay.consumer.handlers import Handlers
+from outbox_relay.shared.envelope import Event
+from outbox_relay.shared.logs import JsonFormatter
 from tests.helpers import consumer_settings, event, wait_until, xadd_event
 
 pytestmark = pytest.mark.integration
@@ -53,7 +53,7 @@ def test_a_handler_failure_logs_its_traceback_at_warning(
     handlers.register("*", failing_handler)
     events = [event("bad", 1)] + [event(f"ok{i}", 1) for i in range(size - 1)]
     batch = [inbox.Delivery("k:0", f"1-{i}", ev, 2) for i, ev in enumerate(events)]
-    with caplog.at_level(logging.WARNING, logger="consumer"):
+    with caplog.at_level(logging.WARNING, logger="outbox_relay.consumer"):
         outcomes = inbox.claim(engine, "g", batch, handlers)
     assert [o.outcome for o in outcomes] == [inbox.FAILED] + [inbox.APPLIED] * (size - 1)
     (record,) = failure_records(caplog, events[0].id)  # logged once, not once per pass
@@ -80,7 +80,7 @@ def test_an_after_commit_failure_logs_its_traceback_with_the_event_id(
     ev = event("after", 1)
     xadd_event(redis_client, key_prefix, ev)
     consumer = Consumer(consumer_settings(key_prefix), engine, redis_client, handlers)
-    with caplog.at_level(logging.WARNING, logger="consumer"):
+    with caplog.at_level(logging.WARNING, logger="outbox_relay.consumer"):
         wait_until(lambda: consumer.run_once() >= 0 and ran, what="the after-commit callback")
     (record,) = failure_records(caplog, ev.id)
     assert record.levelno == logging.WARNING
@@ -105,7 +105,7 @@ def test_a_database_error_in_a_handler_keeps_the_statement_and_its_data_out_of_w
     handlers = Handlers()
     handlers.register("*", handler)
     ev = event("sql", 1)
-    with caplog.at_level(logging.DEBUG, logger="consumer"):
+    with caplog.at_level(logging.DEBUG, logger="outbox_relay.consumer"):
         (outcome,) = inbox.claim(engine, "g", [inbox.Delivery("k:0", "1-1", ev, 1)], handlers)
     assert outcome.outcome == inbox.FAILED
     records = failure_records(caplog, ev.id)

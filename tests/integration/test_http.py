@@ -12,9 +12,9 @@ import pytest
 from fastapi import FastAPI
 from sqlalchemy import Engine
 
-from producer.http import create_app
-from producer.runs import RunStore
-from shared import db
+from outbox_relay.producer.http import create_app
+from outbox_relay.producer.runs import RunStore
+from outbox_relay.shared import db
 
 pytestmark = pytest.mark.integration
 

@@ -15,15 +15,15 @@ import pytest
 import redis
 from sqlalchemy import Engine, insert, select
 
-from consumer import Handlers, dead_letters, hygiene, ownership, streams
-from consumer.daemon import Consumer
-from shared import keys
-from shared.db import now_ms
-from shared.errors import UnavailableError
-from shared.periodic import Periodic
-from shared.redis_conn import connect_redis
-from shared.schema import consumer_nodes
-from shared.settings import ConsumerSettings
+from outbox_relay.consumer import Handlers, dead_letters, hygiene, ownership, streams
+from outbox_relay.consumer.daemon import Consumer
+from outbox_relay.shared import keys
+from outbox_relay.shared.db import now_ms
+from outbox_relay.shared.errors import UnavailableError
+from outbox_relay.shared.periodic import Periodic
+from outbox_relay.shared.redis_conn import connect_redis
+from outbox_relay.shared.schema import consumer_nodes
+from outbox_relay.shared.settings import ConsumerSettings
 from tests.helpers import (
     GROUP,
     PARTITIONS,

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 from sqlalchemy import Connection, Engine, select
 
-from consumer import inbox
-from consumer.handlers import Handlers
-from shared.envelope import Event
-from shared.schema import inbox as inbox_table
+from outbox_relay.consumer import inbox
+from outbox_relay.consumer.handlers import Handlers
+from outbox_relay.shared.envelope import Event
+from outbox_relay.shared.schema import inbox as inbox_table
 from tests.helpers import create_effects, effect_counts, event, record_effect
 
 pytestmark = pytest.mark.integration

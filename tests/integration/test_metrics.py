@@ -28,14 +28,14 @@ import redis
 from prometheus_client.openmetrics.parser import text_string_to_metric_families
 from sqlalchemy import Engine, create_engine, func, select, text
 
-from cli import observe
-from consumer import Handlers
-from consumer.daemon import Consumer
-from producer import Producer
-from relay.daemon import Relay
-from shared import db, keys
-from shared.redis_conn import connect_redis
-from shared.schema import inbox, outbox
+from outbox_relay.cli import observe
+from outbox_relay.consumer import Handlers
+from outbox_relay.consumer.daemon import Consumer
+from outbox_relay.producer import Producer
+from outbox_relay.relay.daemon import Relay
+from outbox_relay.shared import db, keys
+from outbox_relay.shared.redis_conn import connect_redis
+from outbox_relay.shared.schema import inbox, outbox
 from tests.conftest import PG_ADMIN_URL, REDIS_URL, pg_schema_url
 from tests.helpers import (
     GROUP,

@@ -6,8 +6,8 @@ from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import Engine
 
-from shared import db
-from shared.schema import metadata
+from outbox_relay.shared import db
+from outbox_relay.shared.schema import metadata
 
 
 def test_migrations_match_reference_schema(engine: Engine) -> None:
@@ -38,7 +38,7 @@ def test_retention_migration_registers_the_streams_already_delivered_to(engine: 
     from alembic import command
     from sqlalchemy import insert, select
 
-    from shared.schema import outbox, stream_trims
+    from outbox_relay.shared.schema import outbox, stream_trims
 
     with engine.begin() as conn:
         command.downgrade(db._alembic_config(conn), "0003")

@@ -14,13 +14,13 @@ import pytest
 import redis
 from sqlalchemy import Connection, Engine, exc, select, text
 
-from consumer import Handlers, dead_letters, inbox, streams
-from consumer.daemon import Consumer
-from shared import keys
-from shared.envelope import Event
-from shared.errors import UnavailableError
-from shared.schema import inbox as inbox_table
-from shared.schema import inbox_heads
+from outbox_relay.consumer import Handlers, dead_letters, inbox, streams
+from outbox_relay.consumer.daemon import Consumer
+from outbox_relay.shared import keys
+from outbox_relay.shared.envelope import Event
+from outbox_relay.shared.errors import UnavailableError
+from outbox_relay.shared.schema import inbox as inbox_table
+from outbox_relay.shared.schema import inbox_heads
 from tests.helpers import (
     GROUP,
     PARTITIONS,
@@ -230,7 +230,7 @@ def test_a_database_outage_never_counts_as_deliveries(
     """The claim fails (database unavailable) more times than max_deliveries while the
     consumer keeps re-reading its pending entries: no handler ever ran, so when the database is
     back nothing is dead-lettered as max_deliveries; everything applies."""
-    from consumer import inbox
+    from outbox_relay.consumer import inbox
 
     evs = [event("x", 1), event("x", 2), event("y", 1)]
     app = App()

@@ -14,14 +14,14 @@ import redis
 from pydantic import ValidationError
 from sqlalchemy import Connection, Engine, select, text
 
-from cli import status
-from consumer import Handlers, ownership, streams
-from consumer.daemon import Consumer
-from shared.db import now_ms
-from shared.envelope import Event
-from shared.errors import ConfigError
-from shared.schema import consumer_leases, consumer_nodes, inbox
-from shared.settings import ConsumerSettings
+from outbox_relay.cli import status
+from outbox_relay.consumer import Handlers, ownership, streams
+from outbox_relay.consumer.daemon import Consumer
+from outbox_relay.shared.db import now_ms
+from outbox_relay.shared.envelope import Event
+from outbox_relay.shared.errors import ConfigError
+from outbox_relay.shared.schema import consumer_leases, consumer_nodes, inbox
+from outbox_relay.shared.settings import ConsumerSettings
 from tests.helpers import (
     GROUP,
     PARTITIONS,
@@ -239,7 +239,7 @@ def test_block_ms_must_stay_below_a_quarter_of_the_lease() -> None:
         ConsumerSettings(lease_ttl_ms=4_000)  # the default block_ms of 1,000 ms
     from argparse import Namespace
 
-    from cli.options import load_settings
+    from outbox_relay.cli.options import load_settings
 
     with pytest.raises(ConfigError) as err:
         load_settings(ConsumerSettings, Namespace(block_ms=3_000, lease_ttl_ms=10_000))

@@ -7,13 +7,13 @@ import pytest
 import redis
 from sqlalchemy import Engine, select
 
-from consumer.daemon import Consumer
-from consumer.handlers import Handlers
-from producer import Producer
-from relay.daemon import Relay
-from shared.errors import ConfigError
-from shared.schema import outbox, streams
-from shared.settings import ConsumerSettings, RelaySettings
+from outbox_relay.consumer.daemon import Consumer
+from outbox_relay.consumer.handlers import Handlers
+from outbox_relay.producer import Producer
+from outbox_relay.relay.daemon import Relay
+from outbox_relay.shared.errors import ConfigError
+from outbox_relay.shared.schema import outbox, streams
+from outbox_relay.shared.settings import ConsumerSettings, RelaySettings
 from tests.conftest import REDIS_URL
 
 pytestmark = pytest.mark.integration

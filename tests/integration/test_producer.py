@@ -9,11 +9,11 @@ import pytest
 from sqlalchemy import Connection, Engine, func, select, text, update
 from sqlalchemy.orm import Session
 
-from producer import Producer
-from producer.runs import RunStore
-from shared import db
-from shared import runstate as rs
-from shared.errors import (
+from outbox_relay.producer import Producer
+from outbox_relay.producer.runs import RunStore
+from outbox_relay.shared import db
+from outbox_relay.shared import runstate as rs
+from outbox_relay.shared.errors import (
     ConflictError,
     CorruptRecordError,
     DuplicateEventError,
@@ -22,7 +22,7 @@ from shared.errors import (
     SchemaNotReadyError,
     SchemaTooNewError,
 )
-from shared.schema import outbox, runs
+from outbox_relay.shared.schema import outbox, runs
 
 pytestmark = pytest.mark.integration
 

@@ -17,17 +17,17 @@ import pytest
 import redis
 from sqlalchemy import Engine, func, insert, select, update
 
-from cli import prune as retention
-from consumer import Handlers
-from consumer.daemon import Consumer
-from consumer.prune import InboxPruner, entry_key, partition_of
-from producer.runs_prune import prune_terminal_runs
-from relay.daemon import Relay
-from relay.prune import prune_delivered
-from shared import keys
-from shared.db import is_postgres, now_ms
-from shared.schema import inbox, inbox_heads, outbox, runs, stream_trims
-from shared.settings import RetentionSettings
+from outbox_relay.cli import prune as retention
+from outbox_relay.consumer import Handlers
+from outbox_relay.consumer.daemon import Consumer
+from outbox_relay.consumer.prune import InboxPruner, entry_key, partition_of
+from outbox_relay.producer.runs_prune import prune_terminal_runs
+from outbox_relay.relay.daemon import Relay
+from outbox_relay.relay.prune import prune_delivered
+from outbox_relay.shared import keys
+from outbox_relay.shared.db import is_postgres, now_ms
+from outbox_relay.shared.schema import inbox, inbox_heads, outbox, runs, stream_trims
+from outbox_relay.shared.settings import RetentionSettings
 from tests.conftest import REDIS_URL
 from tests.helpers import (
     GROUP,

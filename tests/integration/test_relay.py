@@ -16,15 +16,15 @@ import pytest
 import redis
 from sqlalchemy import Engine, select, update
 
-from producer import Producer
-from relay import append, claim, store
-from relay.daemon import Relay
-from shared import keys
-from shared.db import now_ms
-from shared.envelope import Event
-from shared.errors import LeaseLostError, UnavailableError
-from shared.redis_conn import connect_redis
-from shared.schema import outbox, relay_leases, relay_nodes
+from outbox_relay.producer import Producer
+from outbox_relay.relay import append, claim, store
+from outbox_relay.relay.daemon import Relay
+from outbox_relay.shared import keys
+from outbox_relay.shared.db import now_ms
+from outbox_relay.shared.envelope import Event
+from outbox_relay.shared.errors import LeaseLostError, UnavailableError
+from outbox_relay.shared.redis_conn import connect_redis
+from outbox_relay.shared.schema import outbox, relay_leases, relay_nodes
 from tests.conftest import REDIS_URL
 from tests.helpers import (
     PARTITIONS,
@@ -489,7 +489,7 @@ def test_sigterm_stops_the_relay_command_cleanly(
     env = {**os.environ, "OUTBOX_DATABASE_URL": database_url, "OUTBOX_REDIS_URL": REDIS_URL,
            "OUTBOX_KEY_PREFIX": key_prefix, "OUTBOX_PARTITIONS": str(PARTITIONS),
            "OUTBOX_POLL_MAX_MS": "50", "OUTBOX_NODE_ID": "sigterm-test"}
-    proc = subprocess.Popen([sys.executable, "-m", "cli.main", "relay"], env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "outbox_relay", "relay"], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         wait_until(lambda: undelivered(engine) == 0 or proc.poll() is not None,

@@ -16,13 +16,13 @@ import pytest
 import redis
 from sqlalchemy import Connection, Engine
 
-from producer import Producer
-from relay import append, store
-from relay.daemon import Relay
-from shared import db, keys
-from shared.db import is_postgres, now_ms
-from shared.errors import LeaseLostError, UnavailableError
-from shared.redis_conn import connect_redis
+from outbox_relay.producer import Producer
+from outbox_relay.relay import append, store
+from outbox_relay.relay.daemon import Relay
+from outbox_relay.shared import db, keys
+from outbox_relay.shared.db import is_postgres, now_ms
+from outbox_relay.shared.errors import LeaseLostError, UnavailableError
+from outbox_relay.shared.redis_conn import connect_redis
 from tests.conftest import REDIS_URL
 from tests.helpers import (
     PARTITIONS,
@@ -220,7 +220,7 @@ def test_a_delayed_revision_holds_back_the_next_even_from_a_producer_clock_2s_fa
     host with the right time, undelayed. ``available_at`` comes from the database clock, and
     the delayed revision 1 holds revision 2 back; another aggregate is not held."""
     real_now = db.now_ms
-    monkeypatch.setattr("producer.enqueue.now_ms", lambda: real_now() + 2000)
+    monkeypatch.setattr("outbox_relay.producer.enqueue.now_ms", lambda: real_now() + 2000)
     before = real_now()
     with engine.begin() as conn:
         add(conn, "d", 1, delay_ms=1500)

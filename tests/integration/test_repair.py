@@ -10,13 +10,13 @@ import pytest
 import redis
 from sqlalchemy import Engine, select
 
-from producer import Producer
-from relay import entry_ids, repair, store
-from relay.daemon import Relay
-from shared import keys
-from shared.db import now_ms
-from shared.schema import outbox, runs
-from shared.settings import RelaySettings
+from outbox_relay.producer import Producer
+from outbox_relay.relay import entry_ids, repair, store
+from outbox_relay.relay.daemon import Relay
+from outbox_relay.shared import keys
+from outbox_relay.shared.db import now_ms
+from outbox_relay.shared.schema import outbox, runs
+from outbox_relay.shared.settings import RelaySettings
 from tests.conftest import REDIS_URL
 
 pytestmark = pytest.mark.integration
@@ -159,8 +159,8 @@ def test_reconcile_repairs_a_lost_stream_and_resumes_a_stuck_run(
 ) -> None:
     from sqlalchemy import update
 
-    from cli import reconcile
-    from producer.runs import store_for
+    from outbox_relay.cli import reconcile
+    from outbox_relay.producer.runs import store_for
 
     settings = _settings(engine, key_prefix)
     run_store = store_for(settings)

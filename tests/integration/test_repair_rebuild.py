@@ -13,11 +13,11 @@ import pytest
 import redis
 from sqlalchemy import Engine
 
-from relay import entry_ids, repair, repair_streams, store
-from relay.daemon import Relay
-from shared import keys
-from shared.db import now_ms
-from shared.errors import LeaseLostError
+from outbox_relay.relay import entry_ids, repair, repair_streams, store
+from outbox_relay.relay.daemon import Relay
+from outbox_relay.shared import keys
+from outbox_relay.shared.db import now_ms
+from outbox_relay.shared.errors import LeaseLostError
 from tests.integration.test_repair import _enqueue, _expected, _in_stream, _settings
 
 pytestmark = pytest.mark.integration
@@ -177,7 +177,7 @@ def test_large_history_goes_back_in_order_in_chunks(
     monkeypatch: pytest.MonkeyPatch, how: str,
 ) -> None:
     settings = _settings(engine, key_prefix).model_copy(update={"partitions": 1})
-    from producer import Producer
+    from outbox_relay.producer import Producer
 
     producer = Producer(source="rebuild-test", partitions=1, key_prefix=key_prefix)
     with engine.begin() as conn:

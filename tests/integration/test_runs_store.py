@@ -7,11 +7,11 @@ import threading
 import pytest
 from sqlalchemy import Engine, func, select
 
-from consumer.sweeper import sweep
-from producer.runs import AnswerResult, RunRow, RunStore, fingerprint
-from shared import runstate as rs
-from shared.errors import ConflictError, LeaseLostError, OutboxError
-from shared.schema import outbox
+from outbox_relay.consumer.sweeper import sweep
+from outbox_relay.producer.runs import AnswerResult, RunRow, RunStore, fingerprint
+from outbox_relay.shared import runstate as rs
+from outbox_relay.shared.errors import ConflictError, LeaseLostError, OutboxError
+from outbox_relay.shared.schema import outbox
 
 pytestmark = pytest.mark.integration
 STORE = RunStore()

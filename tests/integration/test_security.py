@@ -28,18 +28,18 @@ import pytest
 import redis
 from sqlalchemy import Connection, Engine, create_engine, func, select, text
 
-from cli import main as cli_main
-from cli import status
-from consumer import Handlers, dead_letters, hygiene
-from consumer.daemon import Consumer
-from producer import Producer
-from relay.daemon import Relay
-from shared import db, keys
-from shared.envelope import Event
-from shared.errors import CannotConnectError, UnavailableError
-from shared.redis_conn import connect_redis, translate_redis_errors
-from shared.schema import inbox
-from shared.settings import ConsumerSettings, RelaySettings
+from outbox_relay.cli import main as cli_main
+from outbox_relay.cli import status
+from outbox_relay.consumer import Handlers, dead_letters, hygiene
+from outbox_relay.consumer.daemon import Consumer
+from outbox_relay.producer import Producer
+from outbox_relay.relay.daemon import Relay
+from outbox_relay.shared import db, keys
+from outbox_relay.shared.envelope import Event
+from outbox_relay.shared.errors import CannotConnectError, UnavailableError
+from outbox_relay.shared.redis_conn import connect_redis, translate_redis_errors
+from outbox_relay.shared.schema import inbox
+from outbox_relay.shared.settings import ConsumerSettings, RelaySettings
 from tests.conftest import PG_ADMIN_URL, pg_schema_url
 
 pytestmark = pytest.mark.integration
@@ -443,7 +443,7 @@ class Outputs:
         folder = self.cwd / name.replace(" ", "-")
         folder.mkdir()
         with (folder / "output.txt").open("wb") as sink:
-            proc = subprocess.Popen([sys.executable, "-m", "cli.main", *args], cwd=folder,
+            proc = subprocess.Popen([sys.executable, "-m", "outbox_relay", *args], cwd=folder,
                                     env=full, stdout=sink, stderr=subprocess.STDOUT)
         self.procs[name] = (proc, folder)
 

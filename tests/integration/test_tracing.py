@@ -25,12 +25,12 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import (
 from opentelemetry.trace import SpanKind, StatusCode
 from opentelemetry.util._once import Once
 
-from consumer.daemon import Consumer
-from consumer.handlers import Handlers
-from producer import Producer
-from relay.daemon import Relay
-from shared import tracing
-from shared.envelope import Event
+from outbox_relay.consumer.daemon import Consumer
+from outbox_relay.consumer.handlers import Handlers
+from outbox_relay.producer import Producer
+from outbox_relay.relay.daemon import Relay
+from outbox_relay.shared import tracing
+from outbox_relay.shared.envelope import Event
 from tests.helpers import (
     GROUP,
     PARTITIONS,

@@ -14,16 +14,16 @@ import pytest
 import redis
 from sqlalchemy import Engine, func, select
 
-from cli import status
-from consumer import dead_letters, streams
-from consumer.daemon import Consumer
-from consumer.handlers import Handlers
-from producer import Producer
-from relay import entry_ids, store
-from relay.daemon import Relay
-from shared import keys
-from shared.schema import inbox, outbox, stream_groups
-from shared.settings import ConsumerSettings, RelaySettings
+from outbox_relay.cli import status
+from outbox_relay.consumer import dead_letters, streams
+from outbox_relay.consumer.daemon import Consumer
+from outbox_relay.consumer.handlers import Handlers
+from outbox_relay.producer import Producer
+from outbox_relay.relay import entry_ids, store
+from outbox_relay.relay.daemon import Relay
+from outbox_relay.shared import keys
+from outbox_relay.shared.schema import inbox, outbox, stream_groups
+from outbox_relay.shared.settings import ConsumerSettings, RelaySettings
 from tests.conftest import REDIS_URL
 
 pytestmark = pytest.mark.integration
@@ -374,7 +374,7 @@ def test_a_batch_appended_but_never_marked_is_not_trimmed_before_its_retry(
     """A relay dies after its XADD, before marking; every group reads and acknowledges the
     entries. The next trim must keep them: the retry of the recorded batch (same ids) has to
     find them, or it would call them a gap and append every event a second time."""
-    from relay import append
+    from outbox_relay.relay import append
 
     _enqueue(engine, key_prefix, 0, 2)
     key = _key(key_prefix)

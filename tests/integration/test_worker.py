@@ -16,17 +16,17 @@ import pytest
 import redis
 from sqlalchemy import Engine, func, select
 
-from consumer.agent import DemoAgent
-from consumer.daemon import Consumer
-from consumer.handlers import Handlers
-from consumer.sweeper import sweep
-from consumer.worker import RunWorker
-from producer.runs import RunRow, RunStore, store_for
-from relay.daemon import Relay
-from shared import keys
-from shared import runstate as rs
-from shared.schema import outbox
-from shared.settings import ConsumerSettings, RelaySettings
+from outbox_relay.consumer.agent import DemoAgent
+from outbox_relay.consumer.daemon import Consumer
+from outbox_relay.consumer.handlers import Handlers
+from outbox_relay.consumer.sweeper import sweep
+from outbox_relay.consumer.worker import RunWorker
+from outbox_relay.producer.runs import RunRow, RunStore, store_for
+from outbox_relay.relay.daemon import Relay
+from outbox_relay.shared import keys
+from outbox_relay.shared import runstate as rs
+from outbox_relay.shared.schema import outbox
+from outbox_relay.shared.settings import ConsumerSettings, RelaySettings
 
 pytestmark = pytest.mark.integration
 

@@ -21,15 +21,15 @@ from pathlib import Path
 import pytest
 from sqlalchemy import Engine, func, select
 
-from producer.runs import RunRow, store_for
-from shared import runstate as rs
-from shared.schema import outbox
-from shared.settings import CommonSettings
+from outbox_relay.producer.runs import RunRow, store_for
+from outbox_relay.shared import runstate as rs
+from outbox_relay.shared.schema import outbox
+from outbox_relay.shared.settings import CommonSettings
 from tests.conftest import REDIS_URL
 from tests.helpers import wait_until
 
 pytestmark = pytest.mark.integration
-CLI = [sys.executable, "-m", "cli.main"]
+CLI = [sys.executable, "-m", "outbox_relay"]
 
 
 class Processes:

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from cli import apps
-from consumer import Handlers
-from shared.errors import ConfigError, UnavailableError
-from shared.settings import ConsumerSettings
+from outbox_relay.cli import apps
+from outbox_relay.consumer import Handlers
+from outbox_relay.shared.errors import ConfigError, UnavailableError
+from outbox_relay.shared.settings import ConsumerSettings
 
 SETTINGS = ConsumerSettings(database_url="sqlite://", redis_url="redis://127.0.0.1:6379/0")
 
@@ -41,12 +41,12 @@ def _error(spec: str) -> str:
 
 
 def test_a_module_in_the_current_directory_loads(project: Path) -> None:
-    _write(project, "svc_events", "from consumer import Handlers\nhandlers = Handlers()\n")
+    _write(project, "svc_events", "from outbox_relay import Handlers\nhandlers = Handlers()\n")
     assert isinstance(apps.load_handlers("svc_events:handlers", SETTINGS), Handlers)
 
 
 def test_a_factory_gets_the_settings(project: Path) -> None:
-    _write(project, "svc_factory", "from consumer import Handlers\n"
+    _write(project, "svc_factory", "from outbox_relay import Handlers\n"
            "def make(settings):\n    assert settings.group\n    return Handlers()\n")
     assert isinstance(apps.load_handlers("svc_factory:make", SETTINGS), Handlers)
 
@@ -70,8 +70,8 @@ def test_a_module_raising_on_import_says_what_it_raised(project: Path) -> None:
 
 
 def test_the_wrong_kind_of_attribute(project: Path) -> None:
-    assert "has no attribute 'nope'" in _error("consumer:nope")
-    assert "neither a Handlers object" in _error("consumer:Handlers")  # the class itself
+    assert "has no attribute 'nope'" in _error("outbox_relay:nope")
+    assert "neither a Handlers object" in _error("outbox_relay:Handlers")  # the class itself
     _write(project, "svc_wrong", "value = 3\ndef make(settings):\n    return 'x'\n"
            "def bad(settings):\n    raise TypeError('boom')\n")
     assert "it is an object of type int" in _error("svc_wrong:value")
@@ -81,7 +81,7 @@ def test_the_wrong_kind_of_attribute(project: Path) -> None:
 
 
 def test_unavailable_from_a_factory_is_left_to_the_start_up_retry(project: Path) -> None:
-    _write(project, "svc_wait", "from shared.errors import UnavailableError\n"
+    _write(project, "svc_wait", "from outbox_relay.shared.errors import UnavailableError\n"
            "def make(settings):\n    raise UnavailableError('database not up yet')\n")
     with pytest.raises(UnavailableError):
         apps.load_handlers("svc_wait:make", SETTINGS)

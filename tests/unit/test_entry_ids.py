@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from relay import entry_ids
+from outbox_relay.relay import entry_ids
 
 ms = st.integers(min_value=0, max_value=2**48)
 seqs = st.integers(min_value=0, max_value=2**32)

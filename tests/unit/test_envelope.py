@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shared.envelope import REQUIRED_FIELDS, Event
-from shared.errors import InvalidEventError
+from outbox_relay.shared.envelope import REQUIRED_FIELDS, Event
+from outbox_relay.shared.errors import InvalidEventError
 
 json_values = st.recursive(
     st.none()

@@ -14,9 +14,9 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from producer import Producer
-from shared.envelope import MAX_REVISION, Event
-from shared.errors import InvalidEventError
+from outbox_relay.producer import Producer
+from outbox_relay.shared.envelope import MAX_REVISION, Event
+from outbox_relay.shared.errors import InvalidEventError
 
 CODES = {
     "missing_field", "bad_specversion", "bad_json", "data_too_large", "bad_encoding",

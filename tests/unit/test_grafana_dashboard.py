@@ -22,21 +22,21 @@ import pytest
 from prometheus_client import CollectorRegistry
 from sqlalchemy import Connection, Engine
 
-from cli import prune as retention
-from consumer import Handlers, hygiene
-from consumer.daemon import Consumer
-from consumer.metrics import ConsumerMetrics
-from consumer.ordering import Delivery, Outcome
-from consumer.sweeper import SweepStats
-from consumer.worker import WorkerStats
-from producer import Producer
-from producer.run_metrics import RunsCollector
-from relay.daemon import Relay
-from relay.metrics import RelayMetrics
-from shared import db, keys
-from shared.envelope import Event
-from shared.schema import metadata
-from shared.settings import ConsumerSettings, RelaySettings
+from outbox_relay.cli import prune as retention
+from outbox_relay.consumer import Handlers, hygiene
+from outbox_relay.consumer.daemon import Consumer
+from outbox_relay.consumer.metrics import ConsumerMetrics
+from outbox_relay.consumer.ordering import Delivery, Outcome
+from outbox_relay.consumer.sweeper import SweepStats
+from outbox_relay.consumer.worker import WorkerStats
+from outbox_relay.producer import Producer
+from outbox_relay.producer.run_metrics import RunsCollector
+from outbox_relay.relay.daemon import Relay
+from outbox_relay.relay.metrics import RelayMetrics
+from outbox_relay.shared import db, keys
+from outbox_relay.shared.envelope import Event
+from outbox_relay.shared.schema import metadata
+from outbox_relay.shared.settings import ConsumerSettings, RelaySettings
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "docs" / "grafana" / "outbox.json"

@@ -10,8 +10,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from redis.crc import key_slot
 
-from shared import keys
-from shared.errors import ConfigError
+from outbox_relay.shared import keys
+from outbox_relay.shared.errors import ConfigError
 
 names = st.from_regex(r"[A-Za-z0-9_.\-]{1,64}", fullmatch=True)
 

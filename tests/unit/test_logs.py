@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from shared import logs, redaction
+from outbox_relay.shared import logs, redaction
 
 SECRET = "hunter2"
 URL = f"postgresql://app:{SECRET}@db.internal:5432/orders"

@@ -16,11 +16,11 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.openmetrics.parser import text_string_to_metric_families
 
-from shared import metrics_server
-from shared.errors import UnavailableError
-from shared.metrics import Naming, Source, StatsCollector, discover
-from shared.metrics_server import MetricsServer
-from shared.periodic import Periodic
+from outbox_relay.shared import metrics_server
+from outbox_relay.shared.errors import UnavailableError
+from outbox_relay.shared.metrics import Naming, Source, StatsCollector, discover
+from outbox_relay.shared.metrics_server import MetricsServer
+from outbox_relay.shared.periodic import Periodic
 
 
 def get(port: int, path: str, accept: str = "") -> tuple[int, str, str]:

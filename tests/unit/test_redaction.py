@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from shared.redaction import RedactingFilter, redact_url
+from outbox_relay.shared.redaction import RedactingFilter, redact_url
 
 
 @pytest.mark.parametrize(

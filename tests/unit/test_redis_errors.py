@@ -6,8 +6,8 @@ import fakeredis
 import pytest
 import redis
 
-from shared.errors import UnavailableError
-from shared.redis_conn import translate_redis_errors
+from outbox_relay.shared.errors import UnavailableError
+from outbox_relay.shared.redis_conn import translate_redis_errors
 
 
 def test_a_missing_group_inside_a_pipeline_is_unavailable_not_a_crash() -> None:

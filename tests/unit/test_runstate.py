@@ -6,8 +6,8 @@ import itertools
 
 import pytest
 
-from shared import runstate as rs
-from shared.errors import InvalidTransitionError
+from outbox_relay.shared import runstate as rs
+from outbox_relay.shared.errors import InvalidTransitionError
 
 HAPPY_PATH = [rs.QUEUED, *rs.STAGES, rs.COMPLETED]
 

@@ -16,11 +16,11 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from producer.runs import RunRow, RunStore
-from shared import db
-from shared import runstate as rs
-from shared.errors import OutboxError
-from shared.schema import metadata
+from outbox_relay.producer.runs import RunRow, RunStore
+from outbox_relay.shared import db
+from outbox_relay.shared import runstate as rs
+from outbox_relay.shared.errors import OutboxError
+from outbox_relay.shared.schema import metadata
 
 RUN = "run-1"
 STATUSES = sorted(rs.STATUSES)

@@ -8,9 +8,9 @@ import os
 import pytest
 from pydantic import ValidationError
 
-from cli import options
-from shared.errors import ConfigError
-from shared.settings import CommonSettings, ConsumerSettings, RelaySettings
+from outbox_relay.cli import options
+from outbox_relay.shared.errors import ConfigError
+from outbox_relay.shared.settings import CommonSettings, ConsumerSettings, RelaySettings
 
 MODELS = [CommonSettings, RelaySettings, ConsumerSettings]
 

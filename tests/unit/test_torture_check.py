@@ -19,9 +19,9 @@ import fakeredis
 import pytest
 from sqlalchemy import Engine, select, update
 
-from shared import db, keys
-from shared.db import now_ms
-from shared.schema import inbox, inbox_heads, outbox, stream_trims
+from outbox_relay.shared import db, keys
+from outbox_relay.shared.db import now_ms
+from outbox_relay.shared.schema import inbox, inbox_heads, outbox, stream_trims
 from torture import app, check, ledger, order
 
 PREFIX = "tc"

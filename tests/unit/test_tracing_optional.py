@@ -11,17 +11,18 @@ from pathlib import Path
 
 import pytest
 
-from producer import Producer
-from shared import tracing
+from outbox_relay.producer import Producer
+from outbox_relay.shared import tracing
 
 ROOT = Path(__file__).resolve().parents[2]
 
 WITHOUT_OTEL = """
 import sys
 sys.modules["opentelemetry"] = None  # as if the otel extra were not installed
-import shared.tracing as tracing
+import outbox_relay.shared.tracing as tracing
 assert not tracing.AVAILABLE and not tracing.enabled()
-import cli.main, consumer.daemon, producer, relay.daemon
+import outbox_relay.cli.main, outbox_relay.consumer.daemon, outbox_relay.relay.daemon
+from outbox_relay import producer
 assert tracing.carrier() == {}
 with tracing.publish_span(["k"], iter(["{}"]), 1), tracing.process_span(
         "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01", None, "k", "id", "t", "g"):
@@ -65,7 +66,7 @@ def test_without_an_sdk_provider_the_helpers_do_nothing() -> None:
 
 
 def test_an_explicit_tracestate_needs_a_traceparent_and_w3c_text() -> None:
-    from shared.errors import InvalidEventError
+    from outbox_relay.shared.errors import InvalidEventError
 
     producer = Producer()
     parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from cli import options
-from cli.main import build_parser
+from outbox_relay.cli import options
+from outbox_relay.cli.main import build_parser
 
 
 def test_unknown_outbox_variables_are_found_with_a_suggestion() -> None:

@@ -1,0 +1,63 @@
+"""outbox-relay: a transactional outbox to Redis Streams, with consumers that apply each event
+once, in order per aggregate.
+
+This package is the one import a service needs::
+
+    from outbox_relay import Producer, Handlers, Event, OutboxError
+
+``Producer.enqueue`` writes an event in the caller's SQLAlchemy transaction; ``Handlers`` holds
+the functions ``outbox consume --app module:handlers`` runs for each event type, inside the
+consumer's claim transaction; ``Event`` is what a handler receives; every error is an
+``OutboxError`` with a stable ``code``. The components live below it
+(``outbox_relay.producer``, ``.relay``, ``.consumer``, ``.shared``, ``.cli``); what is not
+re-exported here is not part of the public API.
+"""
+
+from __future__ import annotations
+
+from outbox_relay.consumer.handlers import Handler, Handlers
+from outbox_relay.producer.enqueue import Producer
+from outbox_relay.producer.runs import RunStore
+from outbox_relay.shared.db import make_async_engine, make_engine, upgrade
+from outbox_relay.shared.envelope import Event
+from outbox_relay.shared.errors import (
+    CannotConnectError,
+    ConfigError,
+    ConflictError,
+    DuplicateEventError,
+    IdempotencyConflictError,
+    InvalidEventError,
+    LeaseLostError,
+    NotFoundError,
+    OutboxError,
+    SchemaNotReadyError,
+    SchemaTooNewError,
+    UnavailableError,
+)
+from outbox_relay.shared.settings import CommonSettings, ConsumerSettings, RelaySettings
+
+__all__ = [
+    "CannotConnectError",
+    "CommonSettings",
+    "ConfigError",
+    "ConflictError",
+    "ConsumerSettings",
+    "DuplicateEventError",
+    "Event",
+    "Handler",
+    "Handlers",
+    "IdempotencyConflictError",
+    "InvalidEventError",
+    "LeaseLostError",
+    "NotFoundError",
+    "OutboxError",
+    "Producer",
+    "RelaySettings",
+    "RunStore",
+    "SchemaNotReadyError",
+    "SchemaTooNewError",
+    "UnavailableError",
+    "make_async_engine",
+    "make_engine",
+    "upgrade",
+]
