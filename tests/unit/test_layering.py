@@ -1,0 +1,58 @@
+"""The layering rules, read from the import statements of every module.
+
+``shared`` imports nothing of ours; ``producer`` only ``shared``; ``relay`` and ``consumer``
+never import each other; only ``cli`` wires everything together. And every import of our code
+goes through ``outbox_relay``: a module imported once as ``shared.x`` and once as
+``outbox_relay.shared.x`` would exist twice (two caches, two error classes).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPONENTS = ("shared", "producer", "relay", "consumer", "cli")
+ALLOWED = {
+    "shared": set(),
+    "producer": {"shared"},
+    "relay": {"shared"},
+    "consumer": {"shared", "producer"},  # the run worker uses the run store
+    "cli": set(COMPONENTS),
+}
+
+
+def _imports(path: Path) -> list[str]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    names: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.append(node.module)
+        elif isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+    return names
+
+
+@pytest.mark.parametrize("component", COMPONENTS)
+def test_components_import_only_what_the_layering_allows(component: str) -> None:
+    wrong = set()
+    for path in (ROOT / component).rglob("*.py"):
+        for name in _imports(path):
+            parts = name.split(".")
+            if parts[0] == "outbox_relay" and len(parts) > 1 and parts[1] in COMPONENTS:
+                if parts[1] != component and parts[1] not in ALLOWED[component]:
+                    wrong.add(f"{path.relative_to(ROOT)} imports {name}")
+            elif parts[0] == "outbox_relay" and len(parts) == 1 and component != "cli":
+                wrong.add(f"{path.relative_to(ROOT)} imports the facade")
+    assert not wrong, sorted(wrong)
+
+
+def test_nothing_imports_our_code_by_its_folder_name() -> None:
+    bare = set()
+    for folder in (*COMPONENTS, "tests", "torture", "bench", "examples"):
+        for path in (ROOT / folder).rglob("*.py"):
+            bare |= {f"{path.relative_to(ROOT)}: {n}" for n in _imports(path)
+                     if n.split(".")[0] in COMPONENTS}
+    assert not bare, sorted(bare)
