@@ -26,14 +26,11 @@ from __future__ import annotations
 
 import logging
 import os
-import random
-import signal
 import socket
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from types import FrameType
 from typing import TYPE_CHECKING
 
 import redis
@@ -46,6 +43,7 @@ from outbox_relay.consumer.hygiene import HygieneStats
 from outbox_relay.consumer.prune import PruneStats
 from outbox_relay.consumer.streams import Entry
 from outbox_relay.shared import faults, keys, partition_counts
+from outbox_relay.shared.daemon_control import Backoff, stop_on_signals
 from outbox_relay.shared.envelope import Event
 from outbox_relay.shared.errors import InvalidEventError, UnavailableError
 from outbox_relay.shared.periodic import Periodic, run_due
@@ -116,7 +114,7 @@ class Consumer:
         self._pass_due = True  # take over and re-read pending entries before anything new
         self._next_pending_check = 0.0
         self._groups_ready = False
-        self._backoff = 0.0
+        self._backoff = Backoff()
         # Housekeeping between batches (retention, group hygiene): see shared/periodic.py.
         self.periodic: list[Periodic] = [
             # Entries on partitions this consumer does not read would never be handled:
@@ -138,13 +136,7 @@ class Consumer:
 
     def install_signal_handlers(self) -> None:
         """SIGTERM and SIGINT stop the loop after the current batch."""
-
-        def handler(signum: int, _frame: FrameType | None) -> None:
-            log.info("signal %s: finishing the current batch", signum)
-            self.stop()
-
-        signal.signal(signal.SIGTERM, handler)
-        signal.signal(signal.SIGINT, handler)
+        stop_on_signals(self.stop, log, "batch")
 
     def run(self) -> ConsumerStats:
         """Consume until stopped, then give the leases back (so others need not wait for them
@@ -156,7 +148,7 @@ class Consumer:
                 self.last_loop = time.monotonic()
                 try:
                     self.run_once()
-                    self._backoff = 0.0
+                    self._backoff.reset()
                 except UnavailableError as err:
                     self._groups_ready = False
                     self._sleep_backoff(err)
@@ -456,10 +448,7 @@ class Consumer:
             self._groups_ready = True
 
     def _sleep_backoff(self, err: UnavailableError) -> None:
-        self._backoff = min(max(self._backoff * 2, 0.05), 5.0)
-        delay = random.uniform(self._backoff / 2, self._backoff)
-        log.warning("%s; retrying in %.2fs", err.message, delay)
-        self._stop.wait(delay)
+        self._backoff.sleep(err, self._stop, log)
 
 
 def _letters_of(entry: Entry, o: inbox.Outcome) -> tuple[Entry, str, str]:

@@ -44,6 +44,7 @@ from sqlalchemy import Engine, delete
 
 from outbox_relay.consumer import inbox, lost
 from outbox_relay.consumer.handlers import Handlers
+from outbox_relay.consumer.streams import text
 from outbox_relay.shared import keys
 from outbox_relay.shared.db import translate_errors
 from outbox_relay.shared.envelope import DEFAULT_MAX_DATA_BYTES, Event
@@ -129,7 +130,7 @@ def dead_keys(
     with translate_redis_errors():
         pattern = keys.stream_key_pattern(prefix) + _DEAD_SUFFIX
         for raw in client.scan_iter(match=pattern, count=1000):
-            key = _text(raw)
+            key = text(raw)
             parsed = keys.parse_stream_key(prefix, key.removesuffix(_DEAD_SUFFIX))
             if parsed is None:
                 continue
@@ -338,14 +339,14 @@ def _read(
     with translate_redis_errors():
         reply = client.xrange(key, start, end, count=count)
     rows = cast(list[tuple[bytes, dict[bytes, bytes]]], reply)
-    return [_letter(key, parsed, _text(dead_id), fields) for dead_id, fields in rows]
+    return [_letter(key, parsed, text(dead_id), fields) for dead_id, fields in rows]
 
 
 def _letter(
     key: str, parsed: tuple[str, int], dead_id: str, raw: Mapping[bytes, bytes]
 ) -> DeadLetter:
     meta = {
-        _text(k)[len(META):]: v.decode("utf-8", "backslashreplace")
+        text(k)[len(META):]: v.decode("utf-8", "backslashreplace")
         for k, v in raw.items() if k.startswith(META.encode())
     }
     fields = {k: v for k, v in raw.items() if not k.startswith(META.encode())}
@@ -366,5 +367,3 @@ def _show(value: bytes) -> str:
     return value.decode("utf-8", "backslashreplace")
 
 
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value

@@ -60,7 +60,7 @@ def read(
             group, consumer, starts, count=count, block=block_ms  # type: ignore[arg-type]
         )
     entries = [
-        Entry(_text(key), _text(entry_id), fields or None)
+        Entry(text(key), text(entry_id), fields or None)
         for key, items in (reply or [])
         for entry_id, fields in items
     ]
@@ -86,7 +86,7 @@ def with_delivery_counts(
                 consumername=consumer,
             )
             for row in rows:
-                counts[(key, _text(row["message_id"]))] = int(row["times_delivered"])
+                counts[(key, text(row["message_id"]))] = int(row["times_delivered"])
     return [
         Entry(e.key, e.entry_id, e.fields, counts.get((e.key, e.entry_id), e.deliveries))
         for e in entries
@@ -146,7 +146,9 @@ def partition_keys(prefix: str, streams: list[str], partitions: int) -> list[str
     return [keys.stream_key(prefix, s, p) for s in streams for p in range(partitions)]
 
 
-def _text(value: bytes | str) -> str:
+def text(value: bytes | str) -> str:
+    """A Redis reply value (bytes: responses are not decoded, see shared/redis_conn.py) as
+    text; our own keys, ids and group names are ASCII."""
     return value.decode() if isinstance(value, bytes) else value
 
 
@@ -196,17 +198,17 @@ def take_over(
             if not rows:
                 break
             ids: list[Any] = [
-                _text(r["message_id"]) for r in rows if _text(r["consumer"]) != consumer
+                text(r["message_id"]) for r in rows if text(r["consumer"]) != consumer
             ]
             if ids:
                 got: Any = client.xclaim(key, group, consumer, 0, ids, justid=True)
-                claimed = {_text(i) for i in got}
+                claimed = {text(i) for i in got}
                 moved += len(claimed)
-                counts = {_text(r["message_id"]): int(r["times_delivered"]) for r in rows}
+                counts = {text(r["message_id"]): int(r["times_delivered"]) for r in rows}
                 trimmed += [Entry(key, i, None, counts[i]) for i in ids if i not in claimed]
             if len(rows) < count:
                 break
-            start = "(" + _text(rows[-1]["message_id"])
+            start = "(" + text(rows[-1]["message_id"])
     if trimmed:
         log.warning("%d pending entries of %s were trimmed away", len(trimmed), key)
     return moved, trimmed

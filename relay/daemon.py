@@ -15,15 +15,12 @@ from __future__ import annotations
 
 import logging
 import os
-import random
-import signal
 import socket
 import sys
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from types import FrameType
 from typing import TYPE_CHECKING
 
 import redis
@@ -33,6 +30,7 @@ from outbox_relay.relay import append, claim, repair, store, trim
 from outbox_relay.relay.prune import PruneStats
 from outbox_relay.relay.wakeup import Wakeup
 from outbox_relay.shared import faults, keys, partition_counts
+from outbox_relay.shared.daemon_control import Backoff, stop_on_signals
 from outbox_relay.shared.db import is_postgres, now_ms
 from outbox_relay.shared.errors import LeaseLostError, StreamBehindError, UnavailableError
 from outbox_relay.shared.periodic import Periodic, run_due
@@ -79,7 +77,7 @@ class Relay:
         self.repairer = repair.Repairer(settings, engine, client, self.node_id)
         self._stop = threading.Event()
         self._next_lease_check = 0.0
-        self._backoff = 0.0
+        self._backoff = Backoff()
         self._found_rows = False
         self._append_thread: ThreadPoolExecutor | None = None
         # Observation (relay/metrics.py, cli/observe.py): hooks when metrics are on, the
@@ -112,13 +110,7 @@ class Relay:
 
     def install_signal_handlers(self) -> None:
         """SIGTERM and SIGINT stop the loop gracefully."""
-
-        def handler(signum: int, _frame: FrameType | None) -> None:
-            log.info("signal %s: finishing the current round", signum)
-            self.stop()
-
-        signal.signal(signal.SIGTERM, handler)
-        signal.signal(signal.SIGINT, handler)
+        stop_on_signals(self.stop, log, "round")
 
     def run(self, *, until_idle: bool = False) -> RelayStats:
         """Relay until stopped (or, with ``until_idle``, until a round finds nothing to do, or
@@ -137,7 +129,7 @@ class Relay:
                 self.last_loop = time.monotonic()
                 try:
                     busy = self.run_once()
-                    self._backoff = 0.0
+                    self._backoff.reset()
                     failing_since = None
                 except UnavailableError as err:
                     # A daemon waits for Redis or the database as long as it takes; a script's
@@ -352,11 +344,8 @@ class Relay:
         self._next_lease_check = now + s.lease_ttl_ms / 3000
 
     def _sleep_backoff(self, err: UnavailableError) -> None:
-        self._backoff = min(max(self._backoff * 2, 0.05), 5.0)
-        delay = random.uniform(self._backoff / 2, self._backoff)
-        log.warning("%s; retrying in %.2fs", err.message, delay)
         self._next_lease_check = 0.0
-        self._stop.wait(delay)
+        self._backoff.sleep(err, self._stop, log)
 
     def _release(self) -> None:
         if not self.leases:
