@@ -22,6 +22,19 @@ from outbox_relay.shared.redaction import redact_url
 from outbox_relay.shared.settings import ConsumerSettings
 
 DEFAULT_APP = "outbox_relay.cli.demo_app:handlers"
+"""The demo's run worker: named in messages and used by ``make demo``, never picked silently."""
+
+
+def app_spec(flag: str | None) -> str:
+    """``--app``, else ``OUTBOX_APP``; neither is ``invalid_config``. A consumer that silently ran
+    the demo worker would dead-letter every event of yours as ``unknown_type``."""
+    spec = flag or os.environ.get("OUTBOX_APP", "").strip()
+    if not spec:
+        raise ConfigError(
+            "this command needs your handlers: --app module:attribute (or OUTBOX_APP), e.g. "
+            f"--app myservice.events:handlers; the demo's run worker is --app {DEFAULT_APP}"
+        )
+    return spec
 
 
 def load_handlers(spec: str, settings: ConsumerSettings) -> Handlers:

@@ -28,7 +28,7 @@ from typing import Any
 import redis
 from sqlalchemy import Engine, func, select
 
-from outbox_relay.cli import options
+from outbox_relay.cli import apps, options
 from outbox_relay.producer.runs import RunStore, store_for
 from outbox_relay.shared import db, keys
 from outbox_relay.shared import runstate as rs
@@ -128,7 +128,8 @@ def _run(args: argparse.Namespace, settings: CommonSettings, redis_url: str,
     for i in range(args.relays):
         children.start([*cmd, "relay"], env, logs / f"relay-{i}.log")
     for i in range(args.consumers):
-        children.start([*cmd, "consume"], env, logs / f"consumer-{i}.log")
+        children.start([*cmd, "consume", "--app", apps.DEFAULT_APP], env,
+                       logs / f"consumer-{i}.log")
     store = store_for(settings.model_copy(update={"key_prefix": stamp}), source="outbox-demo")
     started = time.monotonic()
     progress = Progress(args.runs, quiet=args.json)

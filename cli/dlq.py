@@ -49,8 +49,8 @@ def add_commands(dlq_parser: argparse.ArgumentParser, leaf: LeafFactory) -> None
     which.add_argument("letter_id", metavar="ID", nargs="?", help="the letter to replay")
     which.add_argument("--all", action="store_true", help="replay every letter of --group")
     _filters(rp)
-    rp.add_argument("--app", default=apps.DEFAULT_APP,
-                    help=f"handlers of the group, as module:attribute (default {apps.DEFAULT_APP})")
+    rp.add_argument("--app", default=None,
+                    help="the group's handlers, as module:attribute [env OUTBOX_APP; required]")
     rp.add_argument("--json", action="store_true", help="print JSON")
     pg = leaf(sub, "purge", "delete dead letters for good (their events are never applied)",
               CommonSettings, cmd_purge)
@@ -150,7 +150,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
                           + (listed or "none"))
     engine = db.existing_engine(settings.database_url)
     db.check_schema(engine)
-    handlers = apps.load_handlers(args.app, settings)
+    handlers = apps.load_handlers(apps.app_spec(args.app), settings)
     client = connect_redis(settings.redis_url)
     common: dict[str, Any] = {"group": settings.group, "max_data_bytes": settings.max_data_bytes}
     if args.all:

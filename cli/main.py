@@ -67,12 +67,13 @@ def cmd_consume(args: argparse.Namespace) -> int:
     """Run the consumer daemon until SIGTERM/SIGINT."""
     settings = options.load_settings(WorkerSettings, args)
     configure_logging(settings.log_level, settings.log_format)
+    app = apps.app_spec(args.app)
     if settings.redis_timeout_s * 1000 <= settings.block_ms:
         raise ConfigError("redis_timeout_s must be longer than block_ms")
     engine = db.make_engine(settings.database_url)
     patience = settings.startup_timeout_s
     until_available(lambda: db.check_schema(engine), "schema check", patience)
-    handlers = until_available(lambda: apps.load_handlers(args.app, settings), "start-up",
+    handlers = until_available(lambda: apps.load_handlers(app, settings), "start-up",
                                patience)
     client = connect_redis(settings.redis_url, timeout_s=settings.redis_timeout_s)
     consumer = Consumer(settings, engine, client, handlers, ownership=True)
@@ -123,8 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     consume = _leaf(sub, "consume", "read streams with a consumer group and claim events",
                     WorkerSettings, cmd_consume)
-    consume.add_argument("--app", default=apps.DEFAULT_APP,
-                         help=f"handlers to run, as module:attribute (default {apps.DEFAULT_APP})")
+    consume.add_argument("--app", default=None,
+                         help="your handlers, as module:attribute [env OUTBOX_APP; required] "
+                         f"(the demo's run worker: {apps.DEFAULT_APP})")
 
     st = _leaf(sub, "status", "outbox backlog and stream/group state", CommonSettings, cmd_status)
     st.add_argument("--json", action="store_true", help="print JSON instead of a table")

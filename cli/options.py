@@ -68,8 +68,10 @@ def load_settings(model: type[S], args: argparse.Namespace) -> S:
 
 
 # OUTBOX_* variables that are not settings fields but are ours: fault injection (shared/faults.py),
+# --app's default (cli/apps.py),
 # the test and benchmark suites' servers, the demo agent's own settings (cli/demo_app.py).
-NOT_FIELDS = frozenset({"OUTBOX_FAULTS", "OUTBOX_FAULTS_SEED", "OUTBOX_STREAM_MAXLEN"})
+NOT_FIELDS = frozenset({"OUTBOX_FAULTS", "OUTBOX_FAULTS_SEED", "OUTBOX_STREAM_MAXLEN",
+                        "OUTBOX_APP"})
 NOT_FIELD_PREFIXES = ("OUTBOX_TEST_", "OUTBOX_BENCH_", "OUTBOX_DEMO_")
 
 

@@ -71,26 +71,23 @@ class Producer:
         (:mod:`shared.partition_counts`; checked once per stream and process).
         """
         connection = conn.connection() if isinstance(conn, Session) else conn
-        postgres = connection.dialect.name == "postgresql"
-        event_id, params = self.build(postgres=postgres, **event)
+        event_id, params = self._params(connection.dialect, event)
         partition_counts.record_or_check(connection, params["stream"], self.partitions)
         sql, args = _driver_call(connection.dialect, params)
-        if connection.exec_driver_sql(sql, args).first() is None:
-            raise DuplicateEventError(f"event {event_id!r} was already enqueued")
-        faults.point("producer.before_commit")
-        return event_id
+        return _inserted(event_id, connection.exec_driver_sql(sql, args).first())
 
     async def enqueue_async(self, conn: AsyncConnection | AsyncSession, **event: Any) -> str:
-        """The same as :meth:`enqueue` for an ``AsyncConnection`` or ``AsyncSession``."""
+        """The same as :meth:`enqueue` for an ``AsyncConnection`` or ``AsyncSession`` (one
+        implementation: only the two driver calls are awaited)."""
         connection = await conn.connection() if isinstance(conn, AsyncSession) else conn
-        postgres = connection.dialect.name == "postgresql"
-        event_id, params = self.build(postgres=postgres, **event)
+        event_id, params = self._params(connection.dialect, event)
         await connection.run_sync(partition_counts.record_or_check, params["stream"],
                                   self.partitions)
         sql, args = _driver_call(connection.dialect, params)
-        if (await connection.exec_driver_sql(sql, args)).first() is None:
-            raise DuplicateEventError(f"event {event_id!r} was already enqueued")
-        return event_id
+        return _inserted(event_id, (await connection.exec_driver_sql(sql, args)).first())
+
+    def _params(self, dialect: Dialect, event: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+        return self.build(postgres=dialect.name == "postgresql", **event)
 
     def build(
         self,
@@ -205,6 +202,15 @@ _COLUMNS = (
     "event_id", "stream", "partition", "aggregate_type", "aggregate_id", "revision", "type",
     "source", "payload", "headers", "created_at_ms",
 )
+
+
+def _inserted(event_id: str, returned: object) -> str:
+    """After the insert (sync or async): no returned row means the id existed; then the
+    ``producer.before_commit`` fault point (a crash before the caller commits)."""
+    if returned is None:
+        raise DuplicateEventError(f"event {event_id!r} was already enqueued")
+    faults.point("producer.before_commit")
+    return event_id
 
 
 def _driver_call(dialect: Dialect, params: dict[str, Any]) -> tuple[str, Any]:

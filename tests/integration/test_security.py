@@ -42,6 +42,8 @@ from outbox_relay.shared.schema import inbox
 from outbox_relay.shared.settings import ConsumerSettings, RelaySettings
 from tests.conftest import PG_ADMIN_URL, pg_schema_url
 
+DEMO_APP = "outbox_relay.cli.demo_app:handlers"
+
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -501,13 +503,14 @@ def test_secrets_never_reach_any_output(
     out = Outputs(tmp_path)  # the daemons and the demo, as subprocesses, side by side
     out.start("relay no db", ["relay", "--until-idle"], database_url=no_db,
               redis_url=unreachable, **daemon)
-    out.start("consume no db", ["consume"], database_url=no_db, redis_url=r.url("consumer"),
+    consume = ["consume", "--app", DEMO_APP]
+    out.start("consume no db", consume, database_url=no_db, redis_url=r.url("consumer"),
               **daemon)
     out.start("demo no db", ["demo", "--runs", "20"], database_url=no_db,
               redis_url=r.url("operator"), **daemon)
     out.start("relay retrying", ["relay"], database_url=pg, redis_url=unreachable, **daemon)
-    out.start("consume retrying", ["consume"], database_url=pg, redis_url=unreachable, **daemon)
-    out.start("consume ok", ["consume"], database_url=pg, redis_url=r.url("consumer"), **daemon)
+    out.start("consume retrying", consume, database_url=pg, redis_url=unreachable, **daemon)
+    out.start("consume ok", consume, database_url=pg, redis_url=r.url("consumer"), **daemon)
     out.start("demo", ["demo", "--runs", "20"], redis_url=r.url("demo"))  # SQLite in its cwd
 
     texts: dict[str, str] = {}

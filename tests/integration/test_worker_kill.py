@@ -28,6 +28,8 @@ from outbox_relay.shared.settings import CommonSettings
 from tests.conftest import REDIS_URL
 from tests.helpers import wait_until
 
+DEMO_APP = "outbox_relay.cli.demo_app:handlers"
+
 pytestmark = pytest.mark.integration
 CLI = [sys.executable, "-m", "outbox_relay"]
 
@@ -88,7 +90,7 @@ def test_sigkill_mid_stage_resumes_from_the_checkpoint(
         store.create(conn, "r1", {"request": {"ask": True}})
     processes.start("relay", ["relay"], env)
     slow = {**env, "OUTBOX_DEMO_DURATIONS_MS": json.dumps({rs.DRAFTING: 120_000})}
-    first = processes.start("consumer-1", ["consume"], slow)
+    first = processes.start("consumer-1", ["consume", "--app", DEMO_APP], slow)
     wait_until(lambda: row().status == rs.NEEDS_INPUT, timeout=60, what="the question")
     with engine.begin() as conn:
         store.submit_answer(conn, "r1", "confirm-dates", "yes", "answer-1")
@@ -104,7 +106,7 @@ def test_sigkill_mid_stage_resumes_from_the_checkpoint(
         return bool(json.loads(out.stdout)["resumed"] == 1)
 
     wait_until(swept, timeout=60, what="the sweep")
-    processes.start("consumer-2", ["consume"], env)
+    processes.start("consumer-2", ["consume", "--app", DEMO_APP], env)
     wait_until(lambda: row().status == rs.COMPLETED, timeout=60, what="completion")
 
     stages = {stage: lines()[f"r1 stage {stage}"] for stage in rs.STAGES}

@@ -85,3 +85,16 @@ def test_unavailable_from_a_factory_is_left_to_the_start_up_retry(project: Path)
            "def make(settings):\n    raise UnavailableError('database not up yet')\n")
     with pytest.raises(UnavailableError):
         apps.load_handlers("svc_wait:make", SETTINGS)
+
+
+def test_no_app_is_refused_never_the_demo_worker_by_default(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("OUTBOX_APP", raising=False)
+    with pytest.raises(ConfigError) as caught:
+        apps.app_spec(None)
+    assert "needs your handlers: --app module:attribute (or OUTBOX_APP)" in caught.value.message
+    assert apps.DEFAULT_APP in caught.value.message  # and says how to run the demo worker
+    monkeypatch.setenv("OUTBOX_APP", "svc.events:handlers")
+    assert apps.app_spec(None) == "svc.events:handlers"
+    assert apps.app_spec("other:h") == "other:h"
