@@ -126,11 +126,12 @@ def render(report: dict[str, Any]) -> str:
     ]
     for code, count in sorted(o["errors"].items()):
         lines.append(f"  last error {code}: {count} rows")
-    lines.append(f"{'stream key':<32} {'length':>8} {'trimmed':>8} {'dead':>6}  "
+    width = max([len("stream key"), *(len(s["key"]) for s in report["streams"])])
+    lines.append(f"{'stream key':<{width}} {'length':>8} {'trimmed':>8} {'dead':>6}  "
                  "groups (pending/lag)")
     for s in report["streams"]:
         groups = ", ".join(f"{g['name']} ({g['pending']}/{g['lag']})" for g in s["groups"]) or "-"
-        lines.append(f"{s['key']:<32} {s['length']:>8} {s.get('trimmed', 0):>8} "
+        lines.append(f"{s['key']:<{width}} {s['length']:>8} {s.get('trimmed', 0):>8} "
                      f"{s['dead_letters']:>6}  {groups}")
         if s.get("missing_groups"):
             gone = ", ".join(s["missing_groups"])

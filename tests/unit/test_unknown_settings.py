@@ -14,3 +14,20 @@ def test_unknown_outbox_variables_are_found_with_a_suggestion() -> None:
            "OUTBOX_DEMO_STAGE_MS": "5", "OUTBOX_ZZZ": "1", "PATH": "/bin"}
     assert options.unknown_environment(env) == [("OUTBOX_PARTITONS", "OUTBOX_PARTITIONS"),
                                                 ("OUTBOX_ZZZ", None)]
+
+
+def test_status_columns_fit_long_stream_keys() -> None:
+    from outbox_relay.cli import status
+
+    def stream(key: str) -> dict[str, object]:
+        return {"key": key, "length": 7, "trimmed": 0, "dead_letters": 0, "groups": []}
+
+    long_key = "payments-eu-west-production:{invoice-settlements:12}"
+    report = {"outbox": {"undelivered": 0, "delivered": 0, "oldest_undelivered_age_s": None,
+                         "errors": {}},
+              "streams": [stream(long_key), stream("o:{a:0}")]}
+    lines = status.render(report).splitlines()
+    header, first, second = lines[1], lines[2], lines[3]
+    end = header.index("length") + len("length")  # right-aligned numbers end under it
+    assert first[end - 1] == second[end - 1] == "7"
+    assert first.startswith(long_key + " ")
