@@ -32,6 +32,7 @@ from outbox_relay.producer.runs import RunStore
 from outbox_relay.shared import runstate as rs
 from outbox_relay.shared.db import translate_errors
 from outbox_relay.shared.errors import (
+    CannotConnectError,
     ConflictError,
     IdempotencyConflictError,
     InvalidRequestError,
@@ -84,6 +85,7 @@ _STATUS: list[tuple[type[OutboxError], int]] = [
     (InvalidTransitionError, 409),
     (InvalidRequestError, 422),
     (UnavailableError, 503),
+    (CannotConnectError, 503),
 ]
 _ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorBody} for code in (404, 409, 413, 422, 503)
@@ -137,6 +139,9 @@ def _install_error_handlers(app: FastAPI) -> None:
         status = next((s for kind, s in _STATUS if isinstance(exc, kind)), 500)
         if status == 500:
             log.warning("request failed: %s", exc.code)
+        if status == 503:  # which host, file or user failed is for the operator's log only
+            log.warning("request failed: %s", exc.message)
+            return error(status, exc.code, "the service's database or Redis is unavailable")
         return error(status, exc.code, exc.message)
 
     @app.exception_handler(RequestValidationError)
