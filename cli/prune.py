@@ -84,7 +84,10 @@ def register_consumer(consumer: Consumer, settings: ConsumerSettings) -> None:
         return
     pruner = InboxPruner(consumer.engine, consumer.client, settings.retention_inbox,
                          batch=settings.prune_batch, below_trim_floor=settings.stream_trim)
-    task = Periodic("retention", settings.prune_interval_s, lambda: None)
+    # On PostgreSQL the pass runs on a thread of its own (shared/periodic.py): its deletes must
+    # not hold up consuming. SQLite serializes writers anyway: there it stays on the loop.
+    task = Periodic("retention", settings.prune_interval_s, lambda: None,
+                    background=db.is_postgres(consumer.engine))
     stats = consumer.prune_stats = ConsumerPruneStats()
 
     def run() -> None:

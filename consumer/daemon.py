@@ -47,6 +47,7 @@ from outbox_relay.shared.daemon_control import Backoff, stop_on_signals
 from outbox_relay.shared.envelope import Event
 from outbox_relay.shared.errors import InvalidEventError, UnavailableError
 from outbox_relay.shared.periodic import Periodic, run_due
+from outbox_relay.shared.periodic import shutdown as shutdown_periodic
 from outbox_relay.shared.settings import ConsumerSettings
 
 if TYPE_CHECKING:
@@ -153,6 +154,7 @@ class Consumer:
                     self._groups_ready = False
                     self._sleep_backoff(err)
         finally:
+            shutdown_periodic(self.periodic)
             self._release_leases()
         log.info("consumer %s stopped: %s", self.name, self.stats,
                  extra={"consumer": self.name, "group": self.settings.group})

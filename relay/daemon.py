@@ -34,6 +34,7 @@ from outbox_relay.shared.daemon_control import Backoff, stop_on_signals
 from outbox_relay.shared.db import is_postgres, now_ms
 from outbox_relay.shared.errors import LeaseLostError, StreamBehindError, UnavailableError
 from outbox_relay.shared.periodic import Periodic, run_due
+from outbox_relay.shared.periodic import shutdown as shutdown_periodic
 from outbox_relay.shared.settings import RelaySettings
 
 if TYPE_CHECKING:
@@ -151,6 +152,7 @@ class Relay:
                     self.wakeup.wait()
         finally:
             sys.setswitchinterval(switch_interval)
+            shutdown_periodic(self.periodic)
             self._release()
             if self._append_thread is not None:
                 self._append_thread.shutdown(wait=True)

@@ -3,6 +3,12 @@
 Each task runs on the daemon's own loop thread, at most every ``interval_s``, so it never races
 the loop's own Redis and database work and needs no locks. A task that fails because Redis or
 the database is unavailable is retried at its next interval; the loop goes on.
+
+A task marked ``background`` (the consumer's receipt pruning on PostgreSQL) runs instead on a
+thread of its own, one run at a time: it shares nothing with the loop but the engine's pool
+and the Redis client (both thread-safe), and a pass of deletes that waits on the disk for a
+second must not stop the loop from consuming for that second (the soak showed the consumers
+falling behind once inbox pruning began). :func:`shutdown` waits for a running one.
 """
 
 from __future__ import annotations
@@ -10,7 +16,8 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 from outbox_relay.shared.errors import UnavailableError
 
@@ -27,20 +34,43 @@ class Periodic:
     next_at: float = 0.0  # monotonic; 0 = due at the first call
     runs: int = 0
     failures: int = 0
+    background: bool = False  # run on a thread of its own, one run at a time
+    _thread: ThreadPoolExecutor | None = field(default=None, repr=False)
+    _running: Future[None] | None = field(default=None, repr=False)
 
     def maybe_run(self, now: float | None = None) -> bool:
-        """Run if due; True if it ran (whether or not it succeeded)."""
+        """Run if due (started, for a background task still running its previous run: not
+        yet); True if it ran or was started."""
         now = time.monotonic() if now is None else now
-        if now < self.next_at:
+        if now < self.next_at or (self._running is not None and not self._running.done()):
             return False
         self.next_at = now + self.interval_s
+        if not self.background:
+            self._run_once()
+            return True
+        if self._thread is None:
+            self._thread = ThreadPoolExecutor(1, thread_name_prefix=f"outbox-{self.name}")
+        self._running = self._thread.submit(self._run_once)
+        return True
+
+    def _run_once(self) -> None:
         try:
             self.run()
             self.runs += 1
         except UnavailableError as err:
             self.failures += 1
             log.warning("%s: %s; retrying in %.0fs", self.name, err.message, self.interval_s)
-        return True
+        except Exception:
+            if not self.background:
+                raise  # on the loop thread: the daemon's own handling decides
+            self.failures += 1  # nobody would see it raise on its thread: say so, go on
+            log.exception("%s failed; retrying in %.0fs", self.name, self.interval_s)
+
+    def shutdown(self) -> None:
+        """Wait for a background run to finish (the daemon is stopping)."""
+        if self._thread is not None:
+            self._thread.shutdown(wait=True)
+            self._thread = None
 
 
 def run_due(tasks: list[Periodic]) -> None:
@@ -48,3 +78,9 @@ def run_due(tasks: list[Periodic]) -> None:
     now = time.monotonic()
     for task in tasks:
         task.maybe_run(now)
+
+
+def shutdown(tasks: list[Periodic]) -> None:
+    """Wait for every background task's run in progress (called when a daemon stops)."""
+    for task in tasks:
+        task.shutdown()

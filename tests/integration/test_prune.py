@@ -26,6 +26,7 @@ from outbox_relay.relay.daemon import Relay
 from outbox_relay.relay.prune import prune_delivered
 from outbox_relay.shared import keys
 from outbox_relay.shared.db import is_postgres, now_ms
+from outbox_relay.shared.periodic import shutdown
 from outbox_relay.shared.schema import inbox, inbox_heads, outbox, runs, stream_trims
 from outbox_relay.shared.settings import RetentionSettings
 from tests.conftest import REDIS_URL
@@ -473,6 +474,10 @@ def test_consumer_retention_task_prunes_receipts_heads_and_runs(
     consumer = Consumer(settings, engine, redis_client, Handlers())
     retention.register_consumer(consumer, settings)
     consumer.run_once(block_ms=1)  # the loop runs its due housekeeping
+    (task,) = [t for t in consumer.periodic if t.name == "retention"]
+    # On PostgreSQL on a thread of its own, so its deletes never hold up consuming.
+    assert task.background == (engine.dialect.name == "postgresql")
+    shutdown(consumer.periodic)  # wait for that run (the daemon does so when it stops)
     stats = consumer.prune_stats
     assert stats is not None
     assert (stats.passes, stats.receipts, stats.heads, stats.runs) == (1, 3, 1, 1)
