@@ -23,7 +23,7 @@ from outbox_relay.consumer.worker import WorkerSettings
 from outbox_relay.relay.daemon import Relay
 from outbox_relay.shared import db
 from outbox_relay.shared.errors import CannotConnectError, ConfigError, OutboxError
-from outbox_relay.shared.redaction import configure_logging, redact_url
+from outbox_relay.shared.redaction import redact_url
 from outbox_relay.shared.redis_conn import connect_redis
 from outbox_relay.shared.settings import CommonSettings, RelaySettings
 
@@ -49,7 +49,6 @@ def cmd_db_check(args: argparse.Namespace) -> int:
 def cmd_relay(args: argparse.Namespace) -> int:
     """Run the relay daemon until SIGTERM/SIGINT."""
     settings = options.load_settings(RelaySettings, args)
-    configure_logging(settings.log_level, settings.log_format)
     engine = db.make_engine(settings.database_url)
     until_available(lambda: db.check_schema(engine), "schema check", settings.startup_timeout_s)
     relay = Relay(settings, engine, connect_redis(settings.redis_url,
@@ -66,7 +65,6 @@ def cmd_relay(args: argparse.Namespace) -> int:
 def cmd_consume(args: argparse.Namespace) -> int:
     """Run the consumer daemon until SIGTERM/SIGINT."""
     settings = options.load_settings(WorkerSettings, args)
-    configure_logging(settings.log_level, settings.log_format)
     app = apps.app_spec(args.app)
     if settings.redis_timeout_s * 1000 <= settings.block_ms:
         raise ConfigError("redis_timeout_s must be longer than block_ms")

@@ -20,7 +20,7 @@ from outbox_relay.producer.runs import store_for
 from outbox_relay.producer.serve_settings import ServeSettings
 from outbox_relay.shared import db
 from outbox_relay.shared.errors import ConfigError
-from outbox_relay.shared.redaction import configure_logging, redact_url
+from outbox_relay.shared.redaction import redact_url
 
 log = logging.getLogger("outbox.serve")
 
@@ -41,7 +41,6 @@ def main(args: argparse.Namespace) -> int:
     from outbox_relay.cli import options
 
     settings = options.load_settings(ServeSettings, args)
-    configure_logging(settings.log_level, settings.log_format)
     engine = db.make_engine(settings.database_url)
     patience = settings.startup_timeout_s
     until_available(lambda: db.check_schema(engine), "schema check", patience)

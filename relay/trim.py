@@ -229,8 +229,8 @@ class Trimmer:
         if missing:
             self.stats.trims_held += 1
         limit = self.settings.group_forget_s
-        forget = [g for g in missing if limit and known.get(g) is not None
-                  and now - (known[g] or now) >= limit * 1000]
+        forget = [g for g in missing if limit and (at := known.get(g)) is not None
+                  and now - at >= limit * 1000]
         new = [g for g in present if g not in known]
         back = [g for g in present if known.get(g) is not None]
         gone = [g for g in missing if known.get(g) is None]

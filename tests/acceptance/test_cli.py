@@ -6,7 +6,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -246,13 +245,11 @@ def test_relay_until_idle_gives_up_on_a_redis_that_is_down(tmp_path: Path) -> No
     db.upgrade(engine)
     enqueue_events(engine, 3)  # something to deliver (an empty outbox is idle at once)
     engine.dispose()
-    started = time.monotonic()
     result = outbox("relay", "--until-idle", "--database-url", url, "--redis-url",
                     "redis://127.0.0.1:1/0", "--startup-timeout-s", "2",
                     "--partitions", str(PARTITIONS), timeout=60)
     assert result.returncode == 1, result.stderr
     assert result.stderr.strip().splitlines()[-1].startswith("error unavailable: Redis is ")
-    assert time.monotonic() - started < 50  # gave up: it would wait for ever otherwise
 
 
 def test_relay_waits_for_a_database_that_comes_up_after_it(
