@@ -29,13 +29,15 @@ import redis
 from sqlalchemy import Engine, func, select
 
 from outbox_relay.cli import apps, options
-from outbox_relay.producer.runs import RunStore, store_for
+from outbox_relay.runs import pipeline as rs
+from outbox_relay.runs import schema as runs_schema
+from outbox_relay.runs.schema import runs
+from outbox_relay.runs.store import RunStore, store_for
 from outbox_relay.shared import db, keys
-from outbox_relay.shared import runstate as rs
 from outbox_relay.shared.errors import ConfigError, UnavailableError
 from outbox_relay.shared.redaction import redact_url
 from outbox_relay.shared.redis_conn import connect_redis
-from outbox_relay.shared.schema import inbox, outbox, runs
+from outbox_relay.shared.schema import inbox, outbox
 from outbox_relay.shared.settings import CommonSettings
 
 DEMO_DIR = Path(".outbox-demo")
@@ -108,7 +110,7 @@ def main(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace, settings: CommonSettings, redis_url: str,
          children: Children) -> int:
     engine = db.make_engine(settings.database_url)
-    db.upgrade(engine)
+    runs_schema.upgrade(engine)  # the core and the runs tables
     stamp = f"demo-{time.strftime('%Y%m%d%H%M%S')}-{os.getpid()}"
     env = {
         **os.environ,

@@ -1,29 +1,95 @@
-"""The default consumer app: the run worker with the deterministic demo agent.
+"""The demo application's durable runs: a job-application pipeline and a deterministic agent.
 
-``outbox consume`` loads :func:`handlers`, which starts the worker in the daemon's startup order
-(schema checked → one recovery sweep → consume; see :mod:`consumer.worker`). The worker and
-sweeper run on daemon threads; at exit the worker lets unfinished leases expire at once.
+``outbox consume --app outbox_relay.cli.demo_app:handlers`` (what ``make demo`` runs) starts the
+run worker with these stages; any application supplies its own the same way
+(:class:`outbox_relay.runs.Runs`). The stages::
+
+    ingesting_inputs → normalizing_candidate → analyzing_jd → matching_evidence
+                     → drafting → validating → rendering
+
+of which ``normalizing_candidate``, ``analyzing_jd`` and ``matching_evidence`` may ask.
 
 The demo agent is configured by ``OUTBOX_DEMO_*`` environment variables (:class:`AgentSettings`),
-the worker by ``OUTBOX_RUN_*`` and ``OUTBOX_SWEEP_*`` (:class:`shared.runstate.RunSettings`).
+the worker by ``OUTBOX_RUN_*`` and ``OUTBOX_SWEEP_*`` (:class:`outbox_relay.runs.RunSettings`).
 """
 
 from __future__ import annotations
 
-import atexit
 import json
 import os
-import socket
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from outbox_relay.consumer import Handlers
-from outbox_relay.consumer.agent import DemoAgent
-from outbox_relay.consumer.worker import WorkerSettings, start_worker
-from outbox_relay.shared import runstate as rs
-from outbox_relay.shared.settings import ConsumerSettings
+from outbox_relay.runs import Pipeline, Question, Runs, StageContext, StageResult
+
+INGESTING_INPUTS = "ingesting_inputs"
+NORMALIZING_CANDIDATE = "normalizing_candidate"
+ANALYZING_JD = "analyzing_jd"
+MATCHING_EVIDENCE = "matching_evidence"
+DRAFTING = "drafting"
+VALIDATING = "validating"
+RENDERING = "rendering"
+
+PIPELINE = Pipeline(
+    (INGESTING_INPUTS, NORMALIZING_CANDIDATE, ANALYZING_JD, MATCHING_EVIDENCE, DRAFTING,
+     VALIDATING, RENDERING),
+    asking=(NORMALIZING_CANDIDATE, ANALYZING_JD, MATCHING_EVIDENCE),
+)
+"""The demo's stages, in order, and those that may ask the user."""
+
+QUESTION_ID = "confirm-dates"
+
+
+@dataclass
+class DemoAgent:
+    """A deterministic stand-in for a model-backed agent.
+
+    ``stage_ms`` is every stage's duration, ``durations_ms`` overrides it per stage. When the
+    request has a truthy ``"ask"``, ``ask_stage`` asks one question (``confirm-dates``) unless
+    it was answered. ``journal`` (a file path) receives ``<run_id> stage <stage>`` when a stage
+    starts and ``<run_id> ask <interaction_id>`` when a question is asked.
+    """
+
+    stage_ms: int = 0
+    durations_ms: Mapping[str, int] = field(default_factory=dict)
+    ask_stage: str = NORMALIZING_CANDIDATE
+    journal: Path | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.ask_stage not in PIPELINE.asking:
+            raise ValueError(f"{self.ask_stage!r} is not a stage that may ask")
+
+    def run_stage(self, stage: str, context: StageContext, /) -> StageResult:
+        """Sleep the stage's duration and return ``{"stage", "inputs"}``; maybe ask."""
+        self._note(f"{context.run_id} stage {stage}")
+        duration = self.durations_ms.get(stage, self.stage_ms)
+        if duration > 0:
+            time.sleep(duration / 1000)
+        output = {"stage": stage, "inputs": sorted(context.checkpoint)}
+        if stage == RENDERING:
+            output["document"] = f"run {context.run_id}: {len(context.answers)} answer(s) used"
+        if (stage == self.ask_stage and context.request.get("ask")
+                and QUESTION_ID not in context.answers):
+            self._note(f"{context.run_id} ask {QUESTION_ID}")
+            question = Question(interaction_id=QUESTION_ID, stage=stage,
+                                   prompt="Are the dates of your last position correct?")
+            return StageResult(output, [question])
+        return StageResult(output)
+
+    def _note(self, line: str) -> None:
+        if self.journal is None:
+            return
+        with self._lock, self.journal.open("a", encoding="utf-8") as out:
+            out.write(line + "\n")
+            out.flush()
+            os.fsync(out.fileno())
 
 
 class AgentSettings(BaseSettings):
@@ -33,7 +99,7 @@ class AgentSettings(BaseSettings):
 
     stage_ms: int = Field(default=0, ge=0, description="Duration of every stage.")
     durations_ms: str = Field(default="{}", description='Per-stage durations, {"drafting": 500}.')
-    ask_stage: str = Field(default=rs.NORMALIZING_CANDIDATE, description="The stage that may ask.")
+    ask_stage: str = Field(default=NORMALIZING_CANDIDATE, description="The stage that may ask.")
     journal: str = Field(default="", description="File getting a line per stage run and question.")
 
     def agent(self) -> DemoAgent:
@@ -43,14 +109,9 @@ class AgentSettings(BaseSettings):
                          journal=Path(self.journal) if self.journal else None)
 
 
-def handlers(settings: ConsumerSettings) -> Handlers:
-    """Build the registry: every ``run.*`` event goes to a started run worker."""
-    worker_settings = WorkerSettings(**settings.model_dump())
-    registry = Handlers()
-    owner = settings.consumer or f"{socket.gethostname()}:{os.getpid()}"
-    worker, sweeper = start_worker(worker_settings, AgentSettings().agent(), registry,
-                                   owner=owner)
-    atexit.register(worker.close)
-    atexit.register(sweeper.stop)
-    registry.observed.update(run_worker=worker.stats, run_sweeper=sweeper.total)  # metrics
-    return registry
+def _agent() -> DemoAgent:
+    return AgentSettings().agent()
+
+
+handlers = Runs(PIPELINE, _agent)
+"""The consumer app: called with the consumer's settings, it starts the run worker."""

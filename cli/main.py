@@ -19,8 +19,9 @@ from outbox_relay.cli import status as status_report
 from outbox_relay.cli.startup import until_available
 from outbox_relay.consumer import hygiene
 from outbox_relay.consumer.daemon import Consumer
-from outbox_relay.consumer.worker import WorkerSettings
 from outbox_relay.relay.daemon import Relay
+from outbox_relay.runs import schema as runs_schema
+from outbox_relay.runs.settings import RunSettings, ServeSettings, WorkerSettings
 from outbox_relay.shared import db
 from outbox_relay.shared.errors import CannotConnectError, ConfigError, OutboxError
 from outbox_relay.shared.redaction import redact_url
@@ -31,18 +32,26 @@ log = logging.getLogger("outbox")
 
 
 def cmd_db_upgrade(args: argparse.Namespace) -> int:
-    """Apply pending migrations."""
+    """Apply pending migrations (the core's; with ``--runs`` the runs component's too)."""
     settings = options.load_settings(CommonSettings, args)
-    head = db.upgrade(db.make_engine(settings.database_url))
-    print(f"database {redact_url(settings.database_url)} is at schema {head}")
+    engine = db.make_engine(settings.database_url)
+    head = db.upgrade(engine)
+    where = f"database {redact_url(settings.database_url)}"
+    print(f"{where} is at schema {head}")
+    if args.runs:
+        print(f"{where} has the runs tables at schema {runs_schema.MIGRATIONS.upgrade(engine)}")
     return 0
 
 
 def cmd_db_check(args: argparse.Namespace) -> int:
-    """Exit 0 if the schema is current, else print why."""
+    """Exit 0 if the schema is current (with ``--runs``, the runs tables too), else say why."""
     settings = options.load_settings(CommonSettings, args)
-    db.check_schema(db.existing_engine(settings.database_url))
+    engine = db.existing_engine(settings.database_url)
+    db.check_schema(engine)
     print(f"schema is current ({db.code_head()})")
+    if args.runs:
+        runs_schema.MIGRATIONS.check(engine)
+        print(f"runs schema is current ({runs_schema.MIGRATIONS.code_head()})")
     return 0
 
 
@@ -112,8 +121,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     dbp = sub.add_parser("db", help="database schema commands")
     dbsub = dbp.add_subparsers(dest="db_command", required=True, metavar="DB_COMMAND")
-    _leaf(dbsub, "upgrade", "apply pending migrations", CommonSettings, cmd_db_upgrade)
-    _leaf(dbsub, "check", "check that the schema is current", CommonSettings, cmd_db_check)
+    for name, help_text, func in (("upgrade", "apply pending migrations", cmd_db_upgrade),
+                                  ("check", "check that the schema is current", cmd_db_check)):
+        _leaf(dbsub, name, help_text, CommonSettings, func).add_argument(
+            "--runs", action="store_true",
+            help="the durable-runs tables too (only applications that use runs need them)")
 
     relay = _leaf(sub, "relay", "move committed outbox rows into Redis Streams", RelaySettings,
                   cmd_relay)
@@ -134,8 +146,6 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_arguments(_leaf(sub, "demo", "run the end-to-end demo", CommonSettings, cmd_demo))
 
     from outbox_relay.cli import serve, sweep
-    from outbox_relay.producer.serve_settings import ServeSettings
-    from outbox_relay.shared.runstate import RunSettings
 
     serve.add_arguments(_leaf(sub, "serve", "serve the runs HTTP API", ServeSettings, serve.main))
     sweep.add_arguments(_leaf(sub, "sweep", "resume runs whose execution lease expired (one pass)",

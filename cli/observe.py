@@ -33,9 +33,10 @@ from sqlalchemy import Engine
 
 from outbox_relay.consumer import metrics as consumer_metrics
 from outbox_relay.consumer.daemon import Consumer
-from outbox_relay.producer.run_metrics import RunsCollector
 from outbox_relay.relay import metrics as relay_metrics
 from outbox_relay.relay.daemon import Relay
+from outbox_relay.runs import schema as runs_schema
+from outbox_relay.runs.metrics import RunsCollector
 from outbox_relay.shared import db, metrics_server
 from outbox_relay.shared.metrics_server import MetricsServer
 from outbox_relay.shared.redis_conn import translate_redis_errors
@@ -73,7 +74,6 @@ def consumer(daemon: Consumer) -> Iterator[MetricsServer | None]:
         return
     instruments = consumer_metrics.ConsumerMetrics(daemon)
     daemon.metrics = instruments
-    instruments.registry.register(RunsCollector(daemon.engine))
     longest_wait = max(s.block_ms / 1000, MAX_BACKOFF_S, s.lease_ttl_ms / 3000,
                        s.redis_timeout_s)
     with _serving(s, _with_process(instruments.registry), lambda: daemon.last_loop,
@@ -96,7 +96,7 @@ def serve(settings: DaemonSettings, engine: Engine) -> Iterator[MetricsServer | 
     registry.register(RunsCollector(engine))
     server = metrics_server.serve(
         settings.metrics_host, settings.metrics_port, registry,
-        checks={"database": functools.partial(db.check_schema, engine)})
+        checks={"database": functools.partial(runs_schema.check_schema, engine)})
     try:
         yield server
     finally:

@@ -6,7 +6,7 @@ What is pruned (each rule's guarantees are in its module):
 * inbox receipts and aggregate heads older than ``retention_inbox`` (:mod:`consumer.prune`:
   never a dead receipt whose letter exists, never one whose event could come back), by every
   consumer;
-* terminal runs older than ``retention_runs``, only when that is set (:mod:`producer.runs_prune`),
+* terminal runs older than ``retention_runs``, only when that is set (:mod:`runs.prune`),
   by every consumer.
 
 This module only wires them: the relay and the consumer never learn of each other. In a daemon
@@ -34,10 +34,11 @@ from sqlalchemy import Engine
 from outbox_relay.consumer.daemon import Consumer
 from outbox_relay.consumer.prune import InboxPruned, InboxPruner
 from outbox_relay.consumer.prune import PruneStats as ConsumerPruneStats
-from outbox_relay.producer.runs_prune import prune_terminal_runs
 from outbox_relay.relay.daemon import Relay
 from outbox_relay.relay.prune import PruneStats as RelayPruneStats
 from outbox_relay.relay.prune import prune_delivered
+from outbox_relay.runs import schema as runs_schema
+from outbox_relay.runs.prune import prune_terminal_runs
 from outbox_relay.shared import db
 from outbox_relay.shared.periodic import Periodic
 from outbox_relay.shared.redis_conn import connect_redis
@@ -79,8 +80,10 @@ def register_relay(relay: Relay, settings: RelaySettings) -> None:
 
 def register_consumer(consumer: Consumer, settings: ConsumerSettings) -> None:
     """Add the ``retention`` task (receipts, heads; terminal runs when ``retention_runs`` is
-    set) to ``consumer.periodic``; nothing when both rules are off."""
-    if settings.retention_inbox <= 0 and settings.retention_runs <= 0:
+    set and the database has the runs tables) to ``consumer.periodic``; nothing when both rules
+    are off."""
+    retention_runs = _runs_retention(consumer.engine, settings)
+    if settings.retention_inbox <= 0 and retention_runs <= 0:
         return
     pruner = InboxPruner(consumer.engine, consumer.client, settings.retention_inbox,
                          batch=settings.prune_batch, below_trim_floor=settings.stream_trim)
@@ -92,7 +95,7 @@ def register_consumer(consumer: Consumer, settings: ConsumerSettings) -> None:
 
     def run() -> None:
         inbox = pruner.prune(max_batches=PASS_BATCHES)
-        runs, more_runs = prune_terminal_runs(consumer.engine, settings.retention_runs,
+        runs, more_runs = prune_terminal_runs(consumer.engine, retention_runs,
                                               batch=settings.prune_batch,
                                               max_batches=PASS_BATCHES)
         stats.passes += 1
@@ -167,10 +170,20 @@ def prune_all(engine: Engine, settings: RetentionSettings, *, dry_run: bool) -> 
         pruned["outbox_inbox"], pruned["outbox_inbox_heads"] = inbox.receipts, inbox.heads
         kept = {"dead_letter_exists": inbox.kept_letter, "above_trim_floor": inbox.kept_floor,
                 "row_undelivered": inbox.kept_undelivered}
-    if settings.retention_runs > 0:
+    if _runs_retention(engine, settings) > 0:
         pruned["outbox_runs"] = prune_terminal_runs(
             engine, settings.retention_runs, batch=batch, dry_run=dry_run)[0]
     return {"dry_run": dry_run, "pruned": pruned, "kept_receipts": kept}
+
+
+def _runs_retention(engine: Engine, settings: RetentionSettings) -> float:
+    """``retention_runs``, or 0 (off, with a warning) when the database has no runs tables."""
+    if settings.retention_runs <= 0:
+        return 0.0
+    if not runs_schema.in_use(engine):
+        log.warning("retention_runs is set but this database has no runs tables; ignored")
+        return 0.0
+    return settings.retention_runs
 
 
 def render(report: dict[str, Any]) -> str:

@@ -5,11 +5,11 @@
    taken for the purpose; a partition leased by a live relay is left to that relay, which runs
    the same repair on its own every few seconds. The lease's epoch fences the repair in Redis
    (:mod:`relay.fence`): a relay that takes the partition meanwhile stops it unharmed.
-2. **Stuck runs**: active (queued or in a stage), no live execution lease, no undelivered outbox
-   event, unchanged for ``--stuck-after-s``. Nothing will ever wake such a run (its event was
-   dead-lettered, trimmed, or lost with a broker that had no persistence before the outbox
-   knew). Each gets a ``run.resume`` through the run store, by compare-and-set, exactly as the
-   sweeper does for expired leases.
+2. **Stuck runs** (when the database has the runs tables): active (queued or in a stage), no
+   live execution lease, no undelivered outbox event, unchanged for ``--stuck-after-s``.
+   Nothing will ever wake such a run (its event was dead-lettered, trimmed, or lost with a
+   broker that had no persistence before the outbox knew). Each gets a ``run.resume`` through
+   the run store, by compare-and-set, exactly as the sweeper does for expired leases.
 
 ``--dry-run`` reports without writing; ``--json`` prints the report as JSON. Exit status 0.
 """
@@ -26,10 +26,12 @@ import redis
 from sqlalchemy import Engine
 
 from outbox_relay.cli import options
-from outbox_relay.producer.runs import store_for
 from outbox_relay.relay import repair, store
+from outbox_relay.runs import pipeline as rs
+from outbox_relay.runs import schema as runs_schema
+from outbox_relay.runs.settings import RunSettings
+from outbox_relay.runs.store import store_for
 from outbox_relay.shared import db
-from outbox_relay.shared import runstate as rs
 from outbox_relay.shared.db import now_ms, translate_errors
 from outbox_relay.shared.errors import (
     ConflictError,
@@ -58,13 +60,18 @@ def main(args: argparse.Namespace) -> int:
     settings = options.load_settings(CommonSettings, args)
     engine = db.existing_engine(settings.database_url)
     db.check_schema(engine)
+    uses_runs = runs_schema.in_use(engine)
+    if uses_runs:
+        runs_schema.MIGRATIONS.check(engine)
     client = connect_redis(settings.redis_url)
     report = {
         "database_url": redact_url(settings.database_url),
         "dry_run": args.dry_run,
         "streams": check_streams(engine, client, settings, dry_run=args.dry_run),
+        # None: this database has no runs tables (the application does not use runs)
         "stuck_runs": check_runs(engine, settings, dry_run=args.dry_run,
-                                 stuck_after_ms=int(args.stuck_after_s * 1000), limit=args.limit),
+                                 stuck_after_ms=int(args.stuck_after_s * 1000), limit=args.limit)
+        if uses_runs else None,
     }
     print(json.dumps(report, indent=2) if args.json else render(report))
     return 0
@@ -106,7 +113,7 @@ def check_runs(
     """Report stuck runs; give each a ``run.resume`` (unless dry run)."""
     now = now_ms()
     run_store = store_for(settings, source="outbox-reconcile")
-    max_attempts = rs.RunSettings.model_fields["run_max_attempts"].default
+    max_attempts = RunSettings.model_fields["run_max_attempts"].default
     out = []
     with translate_errors(), engine.connect() as conn:
         stuck = run_store.stuck(conn, now=now, stuck_after_ms=stuck_after_ms, limit=limit)
@@ -133,6 +140,10 @@ def render(report: dict[str, Any]) -> str:
         lines.append(f"  {s['key']}: {s['behind']} (length {s['length']}, top {s['top']}, "
                      f"newest delivered {s['newest_delivered']}) -> {s['action'] or 'none'}"
                      f" ({s['repaired_entries']} entries)")
+    if report["stuck_runs"] is None:
+        lines.append("stuck runs: not checked (no runs tables: `outbox db upgrade --runs` "
+                     "creates them)")
+        return "\n".join(lines)
     lines.append(f"stuck runs: {len(report['stuck_runs'])}")
     for r in report["stuck_runs"]:
         lines.append(f"  {r['id']} ({r['status']}, revision {r['revision']}) -> "

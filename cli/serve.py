@@ -15,9 +15,10 @@ import signal
 from types import FrameType
 
 from outbox_relay.cli.startup import until_available
-from outbox_relay.consumer.sweeper import sweep
-from outbox_relay.producer.runs import store_for
-from outbox_relay.producer.serve_settings import ServeSettings
+from outbox_relay.runs import schema as runs_schema
+from outbox_relay.runs.settings import ServeSettings
+from outbox_relay.runs.store import store_for
+from outbox_relay.runs.sweeper import sweep
 from outbox_relay.shared import db
 from outbox_relay.shared.errors import ConfigError
 from outbox_relay.shared.redaction import redact_url
@@ -34,7 +35,7 @@ def main(args: argparse.Namespace) -> int:
     try:  # here, not at import time: every other command would pay for it
         import uvicorn
 
-        from outbox_relay.producer.http import create_app
+        from outbox_relay.runs.http import create_app
     except ImportError:
         raise ConfigError("outbox serve needs the http extra: "
                           "pip install 'outbox-relay[http]'") from None
@@ -43,7 +44,7 @@ def main(args: argparse.Namespace) -> int:
     settings = options.load_settings(ServeSettings, args)
     engine = db.make_engine(settings.database_url)
     patience = settings.startup_timeout_s
-    until_available(lambda: db.check_schema(engine), "schema check", patience)
+    until_available(lambda: runs_schema.check_schema(engine), "schema check", patience)
     store = store_for(settings, source="outbox-api")
     recovered = until_available(
         lambda: sweep(engine, store, max_attempts=settings.run_max_attempts,

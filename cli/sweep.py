@@ -10,10 +10,11 @@ from __future__ import annotations
 import argparse
 import json
 
-from outbox_relay.consumer.sweeper import sweep
-from outbox_relay.producer.runs import store_for
+from outbox_relay.runs import schema
+from outbox_relay.runs.settings import RunSettings
+from outbox_relay.runs.store import store_for
+from outbox_relay.runs.sweeper import sweep
 from outbox_relay.shared import db
-from outbox_relay.shared.runstate import RunSettings
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -27,7 +28,7 @@ def main(args: argparse.Namespace) -> int:
 
     settings = options.load_settings(RunSettings, args)
     engine = db.existing_engine(settings.database_url)
-    db.check_schema(engine)
+    schema.check_schema(engine)
     stats = sweep(engine, store_for(settings, source="outbox-sweep"),
                   max_attempts=settings.run_max_attempts, limit=settings.sweep_batch)
     counts = {"resumed": stats.resumed, "failed": stats.failed, "raced": stats.raced}

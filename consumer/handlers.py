@@ -22,12 +22,16 @@ Each handler also says how it treats the order of an aggregate's events (design.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 from typing import Literal, Protocol
 
+from prometheus_client.registry import Collector
 from sqlalchemy import Connection
 
 from outbox_relay.shared.envelope import Event
+
+log = logging.getLogger(__name__)
 
 Ordering = Literal["strict", "latest"]
 ORDERINGS: tuple[Ordering, ...] = ("strict", "latest")
@@ -50,6 +54,10 @@ class Handlers:
         # Counters the app's own components keep (dataclasses such as the run worker's),
         # exported with the daemon's metrics as outbox_consumer_<name>_…_total.
         self.observed: dict[str, object] = {}
+        # Prometheus collectors the app's components add (the run worker: runs by status),
+        # registered with the daemon's metrics when it serves them.
+        self.collectors: list[Collector] = []
+        self._on_stop: list[Callable[[], None]] = []
 
     def register(
         self, event_type: str, handler: Handler, *, ordering: Ordering = "strict"
@@ -102,6 +110,21 @@ class Handlers:
         """:meth:`take_after_commit` with each callback's event id (for the failure log)."""
         taken, self._after_commit = self._after_commit, []
         return [(event_id, callback) for event_id, callback in taken if event_id in applied]
+
+    def on_stop(self, callback: Callable[[], None]) -> None:
+        """Run ``callback`` when the consumer daemon stops, after its last batch (the run
+        worker finishes its stages and gives back its leases there)."""
+        self._on_stop.append(callback)
+
+    def stop(self) -> None:
+        """The daemon's side: run the :meth:`on_stop` callbacks once, newest first; a failing
+        one is logged and the others still run."""
+        callbacks, self._on_stop = self._on_stop, []
+        for callback in reversed(callbacks):
+            try:
+                callback()
+            except Exception:  # a stop hook must not keep the others from running
+                log.exception("a stop hook of the handlers failed")
 
     def pause_when(self, predicate: Callable[[], bool]) -> None:
         """Backpressure: while ``predicate()`` is true the daemon reads nothing new, so entries

@@ -74,7 +74,7 @@ OUTCOME_FIELDS = frozenset({"applied", "duplicates", "superseded", "dead", "out_
                             "failed", "waiting"})
 
 WORKER_NAMES = {
-    "claimed": ("claimed", "Runs leased to this worker by a run event."),
+    "leased": ("leased", "Runs leased to this worker by a run event."),
     "stages": ("stages", "Run stages executed."),
     "completed": ("completed", "Runs completed."),
     "asked": ("questions", "Questions asked by runs that then waited for input."),
@@ -145,6 +145,8 @@ class ConsumerMetrics:
             NAMESPACE, functools.partial(_sources, consumer), labels={"group": group},
             periodic=lambda: consumer.periodic))
         self.registry.register(StreamsCollector(consumer))
+        for collector in consumer.handlers.collectors:  # the app's own (runs by status)
+            self.registry.register(collector)
 
     def type_label(self, event_type: str) -> str:
         """The bounded ``type`` label of an event type (see the module docstring)."""

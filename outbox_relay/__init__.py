@@ -8,16 +8,17 @@ This package is the one import a service needs::
 ``Producer.enqueue`` writes an event in the caller's SQLAlchemy transaction; ``Handlers`` holds
 the functions ``outbox consume --app module:handlers`` runs for each event type, inside the
 consumer's claim transaction; ``Event`` is what a handler receives; every error is an
-``OutboxError`` with a stable ``code``. The components live below it
-(``outbox_relay.producer``, ``.relay``, ``.consumer``, ``.shared``, ``.cli``); what is not
-re-exported here is not part of the public API.
+``OutboxError`` with a stable ``code``. Durable runs are a component of their own, imported
+only by applications that use them: ``from outbox_relay.runs import Pipeline, Runs``. The
+components live below it (``outbox_relay.producer``, ``.relay``, ``.consumer``, ``.runs``,
+``.shared``, ``.cli``); what is not re-exported here or in ``outbox_relay.runs`` is not part of
+the public API.
 """
 
 from __future__ import annotations
 
 from outbox_relay.consumer.handlers import Handler, Handlers
 from outbox_relay.producer.enqueue import Producer
-from outbox_relay.producer.runs import RunStore
 from outbox_relay.shared.db import make_async_engine, make_engine, upgrade
 from outbox_relay.shared.envelope import Event
 from outbox_relay.shared.errors import (
@@ -53,7 +54,6 @@ __all__ = [
     "OutboxError",
     "Producer",
     "RelaySettings",
-    "RunStore",
     "SchemaNotReadyError",
     "SchemaTooNewError",
     "UnavailableError",

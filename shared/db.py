@@ -12,6 +12,7 @@ import functools
 import logging
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -304,56 +305,89 @@ def delete_in_batches(
     return total, True
 
 
-def _alembic_config(conn: Connection) -> Config:
-    config = Config()
-    config.set_main_option("script_location", str(MIGRATIONS))
-    config.attributes["connection"] = conn
-    return config
+@dataclass(frozen=True)
+class Migrations:
+    """One Alembic history with its own version table: the core's, or a component's (runs).
+
+    Each history is upgraded and checked on its own, so a component's tables exist only in the
+    databases of applications that use it. Its ``env.py`` reads the connection and the version
+    table from ``config.attributes``.
+    """
+
+    location: Path
+    version_table: str
+    upgrade_command: str  # what the user runs when the schema is behind
+
+    def config(self, conn: Connection) -> Config:
+        """An Alembic config running this history on ``conn``."""
+        config = Config()
+        config.set_main_option("script_location", str(self.location))
+        config.attributes["connection"] = conn
+        config.attributes["version_table"] = self.version_table
+        return config
+
+    def code_head(self) -> str:
+        """The newest migration this code knows."""
+        head = ScriptDirectory(str(self.location)).get_current_head()
+        assert head is not None
+        return head
+
+    def database_revision(self, conn: Connection) -> str | None:
+        """The migration the database is at (``None`` when never migrated)."""
+        context = MigrationContext.configure(conn, opts={"version_table": self.version_table})
+        return context.get_current_revision()
+
+    def current_not_too_new(self, engine: Engine) -> str | None:
+        """The database's migration, refusing one this code does not know (a newer release's)."""
+        with translate_errors(), engine.connect() as conn:
+            current = self.database_revision(conn)
+        known = {s.revision for s in ScriptDirectory(str(self.location)).walk_revisions()}
+        if current is not None and current not in known:
+            raise SchemaTooNewError(
+                f"the database is at schema {current} ({self.version_table}), newer than this "
+                f"release (which knows up to {self.code_head()}); upgrade outbox-relay"
+            )
+        return current
+
+    def check(self, engine: Engine) -> None:
+        """Refuse a database that is newer than the code, or not yet migrated to it."""
+        current = self.current_not_too_new(engine)
+        if current != self.code_head():
+            raise SchemaNotReadyError(
+                f"the database is at schema {current or 'none'} ({self.version_table}), this "
+                f"release needs {self.code_head()}; run `{self.upgrade_command}`"
+            )
+
+    def upgrade(self, engine: Engine) -> str:
+        """Apply every pending migration; refuse a database newer than the code."""
+        self.current_not_too_new(engine)
+        with translate_errors(), engine.begin() as conn:
+            command.upgrade(self.config(conn), "head")
+        return self.code_head()
+
+
+CORE = Migrations(MIGRATIONS, VERSION_TABLE, "outbox db upgrade")
+"""The core schema: the outbox, the inbox, leases, trims (``shared/migrations``)."""
 
 
 def code_head() -> str:
-    """The newest migration this code knows."""
-    script = ScriptDirectory(str(MIGRATIONS))
-    head = script.get_current_head()
-    assert head is not None
-    return head
+    """The newest core migration this code knows."""
+    return CORE.code_head()
 
 
 def database_revision(conn: Connection) -> str | None:
-    """The migration the database is at (``None`` when never migrated)."""
-    context = MigrationContext.configure(conn, opts={"version_table": VERSION_TABLE})
-    return context.get_current_revision()
-
-
-def _current_not_too_new(engine: Engine) -> str | None:
-    """The database's migration, refusing one this code does not know (a newer release's)."""
-    with translate_errors(), engine.connect() as conn:
-        current = database_revision(conn)
-    known = {s.revision for s in ScriptDirectory(str(MIGRATIONS)).walk_revisions()}
-    if current is not None and current not in known:
-        raise SchemaTooNewError(
-            f"the database is at schema {current}, newer than this release "
-            f"(which knows up to {code_head()}); upgrade outbox-relay"
-        )
-    return current
+    """The core migration the database is at (``None`` when never migrated)."""
+    return CORE.database_revision(conn)
 
 
 def check_schema(engine: Engine) -> None:
-    """Refuse a database that is newer than the code, or not yet migrated to it."""
-    current = _current_not_too_new(engine)
-    if current != code_head():
-        raise SchemaNotReadyError(
-            f"the database is at schema {current or 'none'}, this release needs "
-            f"{code_head()}; run `outbox db upgrade`"
-        )
+    """Refuse a database whose core schema is newer than the code, or behind it."""
+    CORE.check(engine)
 
 
 def upgrade(engine: Engine) -> str:
-    """Apply every pending migration; refuse a database newer than the code."""
-    _current_not_too_new(engine)
-    with translate_errors(), engine.begin() as conn:
-        command.upgrade(_alembic_config(conn), "head")
-    return code_head()
+    """Apply every pending core migration; refuse a database newer than the code."""
+    return CORE.upgrade(engine)
 
 
 def table_names(engine: Engine) -> list[str]:

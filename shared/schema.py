@@ -31,21 +31,6 @@ metadata = MetaData(
     }
 )
 
-runs = Table(
-    "outbox_runs",
-    metadata,
-    Column("id", String(128), primary_key=True),
-    Column("revision", BigInteger, nullable=False),
-    Column("status", String(32), nullable=False),
-    Column("record", Text, nullable=False),
-    Column("lease_owner", String(128)),
-    Column("lease_expires_at_ms", BigInteger),
-    Column("attempts", Integer, nullable=False, server_default=text("0")),
-    Column("created_at_ms", BigInteger, nullable=False),
-    Column("updated_at_ms", BigInteger, nullable=False),
-    Index("ix_outbox_runs_status_lease", "status", "lease_expires_at_ms"),
-)
-
 outbox = Table(
     "outbox_events",
     metadata,

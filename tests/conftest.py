@@ -15,6 +15,7 @@ import pytest
 import redis
 from sqlalchemy import Engine, create_engine, text
 
+from outbox_relay.runs import schema as runs_schema
 from outbox_relay.shared import db
 
 REDIS_URL = os.environ.get("OUTBOX_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
@@ -69,6 +70,13 @@ def engine(database_url: str) -> Iterator[Engine]:
     db.upgrade(eng)
     yield eng
     eng.dispose()
+
+
+@pytest.fixture
+def runs_tables(engine: Engine) -> Engine:
+    """:func:`engine` with the runs component's tables too (``outbox db upgrade --runs``)."""
+    runs_schema.MIGRATIONS.upgrade(engine)
+    return engine
 
 
 @pytest.fixture

@@ -32,8 +32,10 @@ from typing import Any
 
 from sqlalchemy import Engine, create_engine, func, select, text
 
+from outbox_relay.runs import schema as runs_schema
+from outbox_relay.runs.schema import runs
 from outbox_relay.shared import db, keys
-from outbox_relay.shared.schema import outbox, runs
+from outbox_relay.shared.schema import outbox
 from outbox_relay.shared.settings import parse_duration
 from torture import app, check, ledger
 from torture.chaos import Chaos, Plan, terminate_backends_by_app_name
@@ -241,7 +243,7 @@ def run_one(kind: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
         with database(kind, workdir, args.pg_url, tag, args.keep) as url:
             # The harness's own sessions carry another application_name: never terminated.
             engine = db.make_engine(url.replace("application_name=outbox-", "application_name=h-"))
-            db.upgrade(engine)
+            runs_schema.upgrade(engine)  # the core and the runs tables
             app.create_tables(engine)
             ledger.install(engine)
             prefix = f"torture{tag}"

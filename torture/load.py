@@ -38,7 +38,7 @@ from sqlalchemy import Engine, select, update
 from sqlalchemy.exc import DBAPIError, IntegrityError
 
 from outbox_relay.producer import Producer
-from outbox_relay.producer.runs import RunStore
+from outbox_relay.runs.store import RunStore
 from outbox_relay.shared import db
 from outbox_relay.shared.errors import UnavailableError
 from outbox_relay.shared.settings import CommonSettings

@@ -19,6 +19,7 @@ from sqlalchemy import select
 
 from outbox_relay.consumer import Handlers
 from outbox_relay.consumer.daemon import Consumer
+from outbox_relay.runs import schema as runs_schema
 from outbox_relay.shared import db, keys
 from outbox_relay.shared.schema import inbox
 from outbox_relay.shared.settings import ConsumerSettings
@@ -40,7 +41,7 @@ def event(kind: str = "run.created") -> dict[bytes, bytes]:
 @pytest.fixture
 def env(tmp_path: Path, key_prefix: str, redis_client: redis.Redis) -> dict[str, str]:
     database_url = f"sqlite:///{tmp_path}/cli.db"
-    db.upgrade(db.make_engine(database_url))
+    runs_schema.upgrade(db.make_engine(database_url))  # replays go to the demo app (runs)
     return {**os.environ, "OUTBOX_DATABASE_URL": database_url, "OUTBOX_REDIS_URL": REDIS_URL,
             "OUTBOX_KEY_PREFIX": key_prefix, "OUTBOX_PARTITIONS": "2", "OUTBOX_GROUP": GROUP,
             "OUTBOX_STREAMS": "runs"}

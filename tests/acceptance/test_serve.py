@@ -15,8 +15,9 @@ import httpx
 import pytest
 from sqlalchemy import Engine
 
-from outbox_relay.producer.runs import RunStore
-from outbox_relay.shared import runstate as rs
+from outbox_relay.cli import demo_app as jobs
+from outbox_relay.runs.snapshot import Question
+from outbox_relay.runs.store import RunStore
 
 pytestmark = pytest.mark.acceptance
 
@@ -34,7 +35,8 @@ def free_port() -> int:
 
 
 @pytest.fixture
-def server(engine: Engine, database_url: str, key_prefix: str, tmp_path: Path) -> Iterator[Server]:
+def server(runs_tables: Engine, database_url: str, key_prefix: str,
+           tmp_path: Path) -> Iterator[Server]:
     port = free_port()
     log = tmp_path / "serve.log"
     env = {**os.environ, "OUTBOX_DATABASE_URL": database_url, "OUTBOX_KEY_PREFIX": key_prefix,
@@ -68,14 +70,14 @@ def error_of(response: httpx.Response) -> str:
 
 def ask(engine: Engine, run_id: str) -> None:
     """Drive a run to needs_input the way a worker would."""
-    store = RunStore()
+    store = RunStore(pipeline=jobs.PIPELINE)
     with engine.begin() as conn:
         row = store.get(conn, run_id)
-        leased = store.claim(conn, run_id, row.revision, "w", ttl_ms=60_000).row
+        leased = store.lease_for_event(conn, run_id, row.revision, "w", ttl_ms=60_000).row
         assert leased is not None
         row = store.checkpoint(conn, leased, "w", {}, ttl_ms=60_000)
         store.checkpoint(conn, row, "w", {}, ttl_ms=60_000,
-                         questions=[rs.Question(interaction_id="q1", prompt="Dates right?")])
+                         questions=[Question(interaction_id="q1", prompt="Dates right?")])
 
 
 def check_create_get_and_not_found(server: Server) -> None:

@@ -12,11 +12,11 @@ import pytest
 from fastapi import FastAPI
 from sqlalchemy import Engine
 
-from outbox_relay.producer.http import create_app
-from outbox_relay.producer.runs import RunStore
+from outbox_relay.runs.http import create_app
+from outbox_relay.runs.store import RunStore
 from outbox_relay.shared import db
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("runs_tables")]
 
 
 def assert_error(response: httpx.Response, status: int, code: str) -> None:

@@ -9,10 +9,11 @@ import pytest
 from sqlalchemy import Connection, Engine, func, select, text, update
 from sqlalchemy.orm import Session
 
+from outbox_relay.cli import demo_app as jobs
 from outbox_relay.producer import Producer
-from outbox_relay.producer.runs import RunStore
+from outbox_relay.runs.schema import runs
+from outbox_relay.runs.store import RunStore
 from outbox_relay.shared import db
-from outbox_relay.shared import runstate as rs
 from outbox_relay.shared.errors import (
     ConflictError,
     CorruptRecordError,
@@ -22,11 +23,11 @@ from outbox_relay.shared.errors import (
     SchemaNotReadyError,
     SchemaTooNewError,
 )
-from outbox_relay.shared.schema import outbox, runs
+from outbox_relay.shared.schema import outbox
 
 pytestmark = pytest.mark.integration
 
-NEXT = rs.STAGES[0]  # the first move a queued run may make
+NEXT = jobs.PIPELINE.stages[0]  # the first move a queued run may make
 TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 
 
@@ -47,10 +48,11 @@ def enqueue_one(producer: Producer, conn: Connection | Session, revision: int = 
 # --- enqueue -------------------------------------------------------------------------------
 
 
+@pytest.mark.usefixtures("runs_tables")
 def test_rollback_leaves_neither_run_nor_outbox_row(engine: Engine) -> None:
     with engine.connect() as conn:
         tx = conn.begin()
-        RunStore().create(conn, "run-1", {"request": {}})
+        RunStore(pipeline=jobs.PIPELINE).create(conn, "run-1", {"request": {}})
         enqueue_one(Producer(), conn, 7)
         assert count(conn, runs) == 1 and count(conn, outbox) == 2  # visible inside
         tx.rollback()
@@ -58,9 +60,10 @@ def test_rollback_leaves_neither_run_nor_outbox_row(engine: Engine) -> None:
     assert count(engine, outbox) == 0
 
 
+@pytest.mark.usefixtures("runs_tables")
 def test_commit_leaves_both_rows(engine: Engine) -> None:
     with engine.begin() as conn:
-        RunStore().create(conn, "run-1", {"request": {"x": 1}})
+        RunStore(pipeline=jobs.PIPELINE).create(conn, "run-1", {"request": {"x": 1}})
     with engine.connect() as conn:
         row = conn.execute(select(outbox)).one()
         assert count(conn, runs) == 1
@@ -96,6 +99,7 @@ def test_events_without_aggregate_get_distinct_random_ids(engine: Engine) -> Non
     assert count(engine, outbox) == 3
 
 
+@pytest.mark.usefixtures("runs_tables")
 def test_duplicate_enqueue_keeps_the_transaction_usable(engine: Engine) -> None:
     producer = Producer()
     with engine.connect() as conn:
@@ -106,7 +110,7 @@ def test_duplicate_enqueue_keeps_the_transaction_usable(engine: Engine) -> None:
         assert info.value.code == "duplicate_event"
         # On PostgreSQL a failed statement would abort the transaction: it must not have.
         enqueue_one(producer, conn, 2)
-        RunStore().create(conn, "run-after-duplicate", {})
+        RunStore(pipeline=jobs.PIPELINE).create(conn, "run-after-duplicate", {})
         tx.commit()
     with engine.connect() as conn:
         ids = sorted(r[0] for r in conn.execute(select(outbox.c.event_id)))
@@ -179,8 +183,9 @@ def test_enqueue_through_a_session(engine: Engine) -> None:
 # --- run store -----------------------------------------------------------------------------
 
 
+@pytest.mark.usefixtures("runs_tables")
 def test_create_writes_the_run_and_its_event_together(engine: Engine) -> None:
-    store = RunStore()
+    store = RunStore(pipeline=jobs.PIPELINE)
     with engine.begin() as conn:
         created = store.create(conn, "run-1", {"request": {"q": "hi"}})
     assert (created.revision, created.status) == (1, "queued")
@@ -190,10 +195,11 @@ def test_create_writes_the_run_and_its_event_together(engine: Engine) -> None:
     assert stored.record == {"request": {"q": "hi"}, "revision": 1, "status": "queued"}
 
 
+@pytest.mark.usefixtures("runs_tables")
 def test_create_of_an_existing_run_is_a_conflict_and_keeps_the_transaction(
     engine: Engine,
 ) -> None:
-    store = RunStore()
+    store = RunStore(pipeline=jobs.PIPELINE)
     with engine.begin() as conn:
         store.create(conn, "run-1", {})
         with pytest.raises(ConflictError) as info:
@@ -204,8 +210,9 @@ def test_create_of_an_existing_run_is_a_conflict_and_keeps_the_transaction(
     assert count(engine, outbox) == 2
 
 
+@pytest.mark.usefixtures("runs_tables")
 def test_compare_and_set_advances_and_enqueues(engine: Engine) -> None:
-    store = RunStore()
+    store = RunStore(pipeline=jobs.PIPELINE)
     with engine.begin() as conn:
         store.create(conn, "run-1", {"request": {}})
     with engine.begin() as conn:
@@ -219,8 +226,9 @@ def test_compare_and_set_advances_and_enqueues(engine: Engine) -> None:
     assert ids == ["run-1:run.created:1", "run-1:run.resume:2"]
 
 
+@pytest.mark.usefixtures("runs_tables")
 def test_compare_and_set_with_a_wrong_revision_is_a_conflict(engine: Engine) -> None:
-    store = RunStore()
+    store = RunStore(pipeline=jobs.PIPELINE)
     with engine.begin() as conn:
         store.create(conn, "run-1", {})
     with engine.begin() as conn:
@@ -232,19 +240,21 @@ def test_compare_and_set_with_a_wrong_revision_is_a_conflict(engine: Engine) -> 
     assert count(engine, outbox) == 1  # no event for a write that did not happen
 
 
+@pytest.mark.usefixtures("runs_tables")
 def test_compare_and_set_of_a_missing_run_is_not_found(engine: Engine) -> None:
     with engine.begin() as conn, pytest.raises(NotFoundError) as info:
-        RunStore().compare_and_set(conn, "nope", 1, {}, status=NEXT)
+        RunStore(pipeline=jobs.PIPELINE).compare_and_set(conn, "nope", 1, {}, status=NEXT)
     assert info.value.code == "not_found"
     with engine.connect() as conn, pytest.raises(NotFoundError):
-        RunStore().get(conn, "nope")
+        RunStore(pipeline=jobs.PIPELINE).get(conn, "nope")
 
 
 @pytest.mark.parametrize(
     "record", ['{"revision":2,"status":"queued"}', '{"status":"queued"}', "not json", "[1]"]
 )
+@pytest.mark.usefixtures("runs_tables")
 def test_a_record_that_disagrees_with_its_row_is_corrupt(engine: Engine, record: str) -> None:
-    store = RunStore()
+    store = RunStore(pipeline=jobs.PIPELINE)
     with engine.begin() as conn:
         store.create(conn, "run-1", {})
         conn.execute(update(runs).where(runs.c.id == "run-1").values(record=record))

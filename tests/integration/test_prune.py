@@ -21,13 +21,14 @@ from outbox_relay.cli import prune as retention
 from outbox_relay.consumer import Handlers
 from outbox_relay.consumer.daemon import Consumer
 from outbox_relay.consumer.prune import InboxPruner, entry_key, partition_of
-from outbox_relay.producer.runs_prune import prune_terminal_runs
 from outbox_relay.relay.daemon import Relay
 from outbox_relay.relay.prune import prune_delivered
+from outbox_relay.runs.prune import prune_terminal_runs
+from outbox_relay.runs.schema import runs
 from outbox_relay.shared import keys
 from outbox_relay.shared.db import is_postgres, now_ms
 from outbox_relay.shared.periodic import shutdown
-from outbox_relay.shared.schema import inbox, inbox_heads, outbox, runs, stream_trims
+from outbox_relay.shared.schema import inbox, inbox_heads, outbox, stream_trims
 from outbox_relay.shared.settings import RetentionSettings
 from tests.conftest import REDIS_URL
 from tests.helpers import (
@@ -283,6 +284,7 @@ def test_heads_move_with_the_head_and_are_pruned_by_age(
 # -- runs --------------------------------------------------------------------------------------
 
 
+@pytest.mark.usefixtures("runs_tables")
 def test_runs_pruned_only_when_asked_and_only_terminal(engine: Engine) -> None:
     add_run(engine, "old-done", "completed", days_ago=30)
     add_run(engine, "old-failed", "failed", days_ago=30)
@@ -319,6 +321,7 @@ def _sizes(engine: Engine) -> list[int]:
     return [count(engine, t) for t in (outbox, inbox, inbox_heads, runs)]
 
 
+@pytest.mark.usefixtures("runs_tables")
 def test_dry_run_counts_and_deletes_nothing(
     engine: Engine, redis_client: redis.Redis, key_prefix: str
 ) -> None:
@@ -335,6 +338,7 @@ def test_dry_run_counts_and_deletes_nothing(
     assert _sizes(engine) == [2, 1, 0, 0]
 
 
+@pytest.mark.usefixtures("runs_tables")
 def test_cli_prune_dry_run_json(
     database_url: str, engine: Engine, redis_client: redis.Redis, key_prefix: str,
     tmp_path: Path,
@@ -361,6 +365,24 @@ def test_cli_prune_dry_run_json(
     assert proc.returncode == 1
     assert proc.stderr.startswith("error schema_not_ready: ") and "Traceback" not in proc.stderr
     assert not missing.exists() and not missing.parent.exists()
+
+
+def test_runs_retention_is_off_where_there_are_no_runs_tables(
+    engine: Engine, redis_client: redis.Redis, key_prefix: str, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An application without runs that sets retention_runs: no runs rule, a warning, and the
+    other rules still run (the query on a missing table would fail every pass)."""
+    add_outbox(engine, 2, delivered_days_ago=30)
+    settings = RetentionSettings(redis_url=REDIS_URL, key_prefix=key_prefix,
+                                 retention_runs="7d")
+    with caplog.at_level("WARNING"):
+        report = retention.prune_all(engine, settings, dry_run=False)
+    assert report["pruned"]["outbox_runs"] is None and report["pruned"]["outbox_events"] == 2
+    assert "no runs tables" in caplog.text
+    consumer = Consumer(consumer_settings(key_prefix, retention_runs="1d", retention_inbox="off"),
+                        engine, redis_client, Handlers())
+    retention.register_consumer(consumer, consumer.settings)
+    assert "retention" not in [t.name for t in consumer.periodic]
 
 
 # -- several pruners (PostgreSQL: SKIP LOCKED) -------------------------------------------------
@@ -457,6 +479,7 @@ def test_retention_off_registers_nothing(
     assert "retention" not in [t.name for t in relay.periodic] and relay.prune_stats is None
 
 
+@pytest.mark.usefixtures("runs_tables")
 def test_consumer_retention_task_prunes_receipts_heads_and_runs(
     engine: Engine, redis_client: redis.Redis, key_prefix: str
 ) -> None:

@@ -13,9 +13,10 @@ from sqlalchemy import Engine, select
 from outbox_relay.producer import Producer
 from outbox_relay.relay import entry_ids, repair, store
 from outbox_relay.relay.daemon import Relay
+from outbox_relay.runs.schema import runs
 from outbox_relay.shared import keys
 from outbox_relay.shared.db import now_ms
-from outbox_relay.shared.schema import outbox, runs
+from outbox_relay.shared.schema import outbox
 from outbox_relay.shared.settings import RelaySettings
 from tests.conftest import REDIS_URL
 
@@ -155,12 +156,13 @@ def test_refill_refuses_ids_at_or_below_the_top(
 
 
 def test_reconcile_repairs_a_lost_stream_and_resumes_a_stuck_run(
-    engine: Engine, redis_client: redis.Redis, key_prefix: str
+    runs_tables: Engine, redis_client: redis.Redis, key_prefix: str
 ) -> None:
+    engine = runs_tables
     from sqlalchemy import update
 
     from outbox_relay.cli import reconcile
-    from outbox_relay.producer.runs import store_for
+    from outbox_relay.runs.store import store_for
 
     settings = _settings(engine, key_prefix)
     run_store = store_for(settings)

@@ -7,14 +7,16 @@ import threading
 import pytest
 from sqlalchemy import Engine, func, select
 
-from outbox_relay.consumer.sweeper import sweep
-from outbox_relay.producer.runs import AnswerResult, RunRow, RunStore, fingerprint
-from outbox_relay.shared import runstate as rs
+from outbox_relay.cli import demo_app as jobs
+from outbox_relay.runs import pipeline as rs
+from outbox_relay.runs.snapshot import Question
+from outbox_relay.runs.store import AnswerResult, RunRow, RunStore, fingerprint
+from outbox_relay.runs.sweeper import sweep
 from outbox_relay.shared.errors import ConflictError, LeaseLostError, OutboxError
 from outbox_relay.shared.schema import outbox
 
-pytestmark = pytest.mark.integration
-STORE = RunStore()
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("runs_tables")]
+STORE = RunStore(pipeline=jobs.PIPELINE)
 TTL = 60_000
 
 
@@ -38,7 +40,7 @@ def get(engine: Engine, run_id: str = "r1") -> RunRow:
 
 def claim(engine: Engine, row: RunRow, token: str, *, now: int | None = None) -> RunRow | None:
     with engine.begin() as conn:
-        return STORE.claim(conn, row.id, row.revision, token, ttl_ms=TTL, now=now).row
+        return STORE.lease_for_event(conn, row.id, row.revision, token, ttl_ms=TTL, now=now).row
 
 
 def waiting_for_answer(engine: Engine) -> RunRow:
@@ -48,7 +50,7 @@ def waiting_for_answer(engine: Engine) -> RunRow:
     with engine.begin() as conn:
         row = STORE.checkpoint(conn, row, "w1", {"a": 1}, ttl_ms=TTL)
         return STORE.checkpoint(conn, row, "w1", {"b": 2}, ttl_ms=TTL,
-                                questions=[rs.Question(interaction_id="q1", prompt="ok?")])
+                                questions=[Question(interaction_id="q1", prompt="ok?")])
 
 
 def answer(engine: Engine, value: str, key: str, interaction: str = "q1") -> AnswerResult:
@@ -66,7 +68,7 @@ def test_concurrent_compare_and_set_one_wins(engine: Engine) -> None:
         try:
             with engine.begin() as conn:
                 STORE.compare_and_set(conn, "r1", row.revision, {**row.record, "by": name},
-                                      status=rs.INGESTING_INPUTS)
+                                      status=jobs.INGESTING_INPUTS)
             results.append("won")
         except ConflictError:
             results.append("conflict")
@@ -86,7 +88,7 @@ def test_answer_is_idempotent_per_key(engine: Engine) -> None:
     first = answer(engine, "yes", "key-1")
     after_first = get(engine)
     count = events(engine)
-    assert after_first.status == rs.ANALYZING_JD  # the stage after the one that asked
+    assert after_first.status == jobs.ANALYZING_JD  # the stage after the one that asked
     assert after_first.record["receipts"]["key-1"]["fingerprint"] == fingerprint("q1", "yes")
 
     again = answer(engine, "yes", "key-1")
@@ -112,7 +114,7 @@ def test_expired_lease_is_taken_over_and_the_old_owner_cannot_write(engine: Engi
     assert (stats.resumed, stats.failed) == (1, 0)
     resumed = get(engine)
     assert resumed.attempts == 1 and resumed.lease_owner is None
-    assert resumed.status == rs.INGESTING_INPUTS and events(engine, "run.resume") == 1
+    assert resumed.status == jobs.INGESTING_INPUTS and events(engine, "run.resume") == 1
 
     taken = claim(engine, resumed, "new")  # the run.resume event's revision is current
     assert taken is not None and taken.lease_owner == "new"
@@ -121,19 +123,20 @@ def test_expired_lease_is_taken_over_and_the_old_owner_cannot_write(engine: Engi
     with engine.begin() as conn:
         assert STORE.heartbeat(conn, ["old", "new"], ttl_ms=TTL) == {"new"}
         done = STORE.checkpoint(conn, taken, "new", {"ok": 1}, ttl_ms=TTL)
-    assert done.status == rs.NORMALIZING_CANDIDATE and done.record["checkpoint"] == {
-        rs.INGESTING_INPUTS: {"ok": 1}}
+    assert done.status == jobs.NORMALIZING_CANDIDATE and done.record["checkpoint"] == {
+        jobs.INGESTING_INPUTS: {"ok": 1}}
 
 
-def test_live_lease_is_not_swept_and_stale_claims_are_skipped(engine: Engine) -> None:
+def test_live_lease_is_not_swept_and_stale_leases_are_skipped(engine: Engine) -> None:
     created = create(engine)
     row = claim(engine, created, "w", now=1_000)
     assert row is not None
     assert sweep(engine, STORE, max_attempts=3, now=1_000 + TTL - 1).resumed == 0
     with engine.begin() as conn:
-        assert STORE.claim(conn, "r1", created.revision, "x", ttl_ms=TTL).skipped == "stale"
-        assert STORE.claim(conn, "r1", row.revision, "x", ttl_ms=TTL,
-                           now=1_001).skipped == "leased"
+        assert STORE.lease_for_event(conn, "r1", created.revision, "x",
+                                     ttl_ms=TTL).skipped == "stale"
+        assert STORE.lease_for_event(conn, "r1", row.revision, "x", ttl_ms=TTL,
+                                     now=1_001).skipped == "leased"
 
 
 def test_attempts_exhausted_fails_the_run(engine: Engine) -> None:

@@ -34,6 +34,7 @@ from outbox_relay.consumer import Handlers, dead_letters, hygiene
 from outbox_relay.consumer.daemon import Consumer
 from outbox_relay.producer import Producer
 from outbox_relay.relay.daemon import Relay
+from outbox_relay.runs import schema as runs_schema
 from outbox_relay.shared import db, keys
 from outbox_relay.shared.envelope import Event
 from outbox_relay.shared.errors import CannotConnectError, UnavailableError
@@ -421,7 +422,7 @@ def pg_secret_url() -> Iterator[str]:
     url = pg_schema_url(schema).replace("//postgres@", f"//postgres:pg-{SECRET}@")
     assert SECRET in url
     engine = db.make_engine(url)
-    db.upgrade(engine)
+    runs_schema.upgrade(engine)  # the demo app (a Runs) consumes here
     engine.dispose()
     try:
         yield url

@@ -16,23 +16,25 @@ import pytest
 import redis
 from sqlalchemy import Engine, func, select
 
-from outbox_relay.consumer.agent import DemoAgent
+from outbox_relay.cli import demo_app as jobs
+from outbox_relay.cli.demo_app import DemoAgent
 from outbox_relay.consumer.daemon import Consumer
 from outbox_relay.consumer.handlers import Handlers
-from outbox_relay.consumer.sweeper import sweep
-from outbox_relay.consumer.worker import RunWorker
-from outbox_relay.producer.runs import RunRow, RunStore, store_for
 from outbox_relay.relay.daemon import Relay
+from outbox_relay.runs import pipeline as rs
+from outbox_relay.runs.settings import RunSettings
+from outbox_relay.runs.store import RunRow, RunStore, store_for
+from outbox_relay.runs.sweeper import sweep
+from outbox_relay.runs.worker import RunWorker
 from outbox_relay.shared import keys
-from outbox_relay.shared import runstate as rs
 from outbox_relay.shared.schema import outbox
 from outbox_relay.shared.settings import ConsumerSettings, RelaySettings
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("runs_tables")]
 
 
 @dataclass
-class Pipeline:
+class Stack:
     engine: Engine
     store: RunStore
     relay: Relay
@@ -73,14 +75,14 @@ class Pipeline:
                        .scalar_one())
 
 
-def make_pipeline(engine: Engine, database_url: str, client: redis.Redis, key_prefix: str,
-                  tmp_path: Path, **overrides: object) -> Pipeline:
+def make_stack(engine: Engine, database_url: str, client: redis.Redis, key_prefix: str,
+                  tmp_path: Path, **overrides: object) -> Stack:
     common = {"database_url": database_url, "key_prefix": key_prefix, "partitions": 2}
-    run_settings = rs.RunSettings(**common, run_lease_ttl_ms=overrides.pop("ttl", 30_000),
+    run_settings = RunSettings(**common, run_lease_ttl_ms=overrides.pop("ttl", 30_000),
                                   run_heartbeat_ms=overrides.pop("heartbeat", 10_000))
     journal = tmp_path / "journal.txt"
     agent = DemoAgent(journal=journal, **overrides)  # type: ignore[arg-type]
-    store = store_for(run_settings)
+    store = store_for(run_settings, pipeline=jobs.PIPELINE)
     registry = Handlers()
     worker = RunWorker(engine, store, agent, run_settings, owner="c1")
     worker.register(registry)
@@ -88,22 +90,22 @@ def make_pipeline(engine: Engine, database_url: str, client: redis.Redis, key_pr
     relay = Relay(RelaySettings(**common, node_id="r1"), engine, client)  # type: ignore[arg-type]
     consumer = Consumer(ConsumerSettings(**common, group="g", consumer="c1"),  # type: ignore[arg-type]
                         engine, client, registry)
-    return Pipeline(engine, store, relay, consumer, worker, journal, client, key_prefix)
+    return Stack(engine, store, relay, consumer, worker, journal, client, key_prefix)
 
 
 @pytest.fixture
 def pipeline(engine: Engine, database_url: str, redis_client: redis.Redis, key_prefix: str,
-             tmp_path: Path) -> Iterator[Pipeline]:
-    p = make_pipeline(engine, database_url, redis_client, key_prefix, tmp_path)
+             tmp_path: Path) -> Iterator[Stack]:
+    p = make_stack(engine, database_url, redis_client, key_prefix, tmp_path)
     yield p
     p.worker.close()
 
 
 def stage_lines(run_id: str) -> list[str]:
-    return [f"{run_id} stage {stage}" for stage in rs.STAGES]
+    return [f"{run_id} stage {stage}" for stage in jobs.PIPELINE.stages]
 
 
-def test_question_is_asked_once_and_each_stage_runs_once(pipeline: Pipeline) -> None:
+def test_question_is_asked_once_and_each_stage_runs_once(pipeline: Stack) -> None:
     pipeline.create("r1", ask=True)
     pipeline.pump_until(lambda: pipeline.status("r1") == rs.NEEDS_INPUT)
     with pipeline.engine.begin() as conn:
@@ -117,7 +119,7 @@ def test_question_is_asked_once_and_each_stage_runs_once(pipeline: Pipeline) -> 
     assert result["document"] == "run r1: 1 answer(s) used"
 
 
-def test_replayed_events_of_a_completed_run_do_not_call_the_agent(pipeline: Pipeline) -> None:
+def test_replayed_events_of_a_completed_run_do_not_call_the_agent(pipeline: Stack) -> None:
     pipeline.create("r1")
     pipeline.pump_until(lambda: pipeline.status("r1") == rs.COMPLETED)
     before = pipeline.lines()
@@ -142,8 +144,8 @@ def test_heartbeat_keeps_a_stage_longer_than_the_lease_alive(
     engine: Engine, database_url: str, redis_client: redis.Redis, key_prefix: str,
     tmp_path: Path,
 ) -> None:
-    p = make_pipeline(engine, database_url, redis_client, key_prefix, tmp_path, ttl=400,
-                      heartbeat=80, durations_ms={rs.DRAFTING: 1_500})
+    p = make_stack(engine, database_url, redis_client, key_prefix, tmp_path, ttl=400,
+                      heartbeat=80, durations_ms={jobs.DRAFTING: 1_500})
     swept: list[int] = []
     try:
         p.create("r1")

@@ -21,8 +21,9 @@ from pathlib import Path
 import pytest
 from sqlalchemy import Engine, func, select
 
-from outbox_relay.producer.runs import RunRow, store_for
-from outbox_relay.shared import runstate as rs
+from outbox_relay.cli import demo_app as jobs
+from outbox_relay.runs import pipeline as rs
+from outbox_relay.runs.store import RunRow, store_for
 from outbox_relay.shared.schema import outbox
 from outbox_relay.shared.settings import CommonSettings
 from tests.conftest import REDIS_URL
@@ -30,7 +31,7 @@ from tests.helpers import wait_until
 
 DEMO_APP = "outbox_relay.cli.demo_app:handlers"
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("runs_tables")]
 CLI = [sys.executable, "-m", "outbox_relay"]
 
 
@@ -89,7 +90,7 @@ def test_sigkill_mid_stage_resumes_from_the_checkpoint(
     with engine.begin() as conn:
         store.create(conn, "r1", {"request": {"ask": True}})
     processes.start("relay", ["relay"], env)
-    slow = {**env, "OUTBOX_DEMO_DURATIONS_MS": json.dumps({rs.DRAFTING: 120_000})}
+    slow = {**env, "OUTBOX_DEMO_DURATIONS_MS": json.dumps({jobs.DRAFTING: 120_000})}
     first = processes.start("consumer-1", ["consume", "--app", DEMO_APP], slow)
     wait_until(lambda: row().status == rs.NEEDS_INPUT, timeout=60, what="the question")
     with engine.begin() as conn:
@@ -98,7 +99,7 @@ def test_sigkill_mid_stage_resumes_from_the_checkpoint(
 
     first.send_signal(signal.SIGKILL)
     first.wait(timeout=10)
-    assert row().status == rs.DRAFTING and row().lease_owner
+    assert row().status == jobs.DRAFTING and row().lease_owner
 
     def swept() -> bool:
         out = subprocess.run([*CLI, "sweep", "--json"], env=env, capture_output=True,
@@ -109,8 +110,8 @@ def test_sigkill_mid_stage_resumes_from_the_checkpoint(
     processes.start("consumer-2", ["consume", "--app", DEMO_APP], env)
     wait_until(lambda: row().status == rs.COMPLETED, timeout=60, what="completion")
 
-    stages = {stage: lines()[f"r1 stage {stage}"] for stage in rs.STAGES}
-    assert stages == {**dict.fromkeys(rs.STAGES, 1), rs.DRAFTING: 2}
+    stages = {stage: lines()[f"r1 stage {stage}"] for stage in jobs.PIPELINE.stages}
+    assert stages == {**dict.fromkeys(jobs.PIPELINE.stages, 1), jobs.DRAFTING: 2}
     assert lines()["r1 ask confirm-dates"] == 1
     with engine.connect() as conn:
         kinds = dict(conn.execute(select(outbox.c.type, func.count())  # type: ignore[arg-type]

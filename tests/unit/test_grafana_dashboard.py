@@ -23,16 +23,18 @@ from prometheus_client import CollectorRegistry
 from sqlalchemy import Connection, Engine
 
 from outbox_relay.cli import prune as retention
+from outbox_relay.cli.demo_app import PIPELINE
 from outbox_relay.consumer import Handlers, hygiene
 from outbox_relay.consumer.daemon import Consumer
 from outbox_relay.consumer.metrics import ConsumerMetrics
 from outbox_relay.consumer.ordering import Delivery, Outcome
-from outbox_relay.consumer.sweeper import SweepStats
-from outbox_relay.consumer.worker import WorkerStats
 from outbox_relay.producer import Producer
-from outbox_relay.producer.run_metrics import RunsCollector
 from outbox_relay.relay.daemon import Relay
 from outbox_relay.relay.metrics import RelayMetrics
+from outbox_relay.runs import schema as runs_schema
+from outbox_relay.runs.metrics import RunsCollector
+from outbox_relay.runs.sweeper import SweepStats
+from outbox_relay.runs.worker import WorkerStats
 from outbox_relay.shared import db, keys
 from outbox_relay.shared.envelope import Event
 from outbox_relay.shared.schema import metadata
@@ -80,7 +82,7 @@ def _series(registry: CollectorRegistry) -> Exported:
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
     eng = db.make_engine(f"sqlite:///{tmp_path_factory.mktemp('dashboard')}/outbox.db")
-    db.upgrade(eng)
+    runs_schema.upgrade(eng)  # the core and the runs tables
     yield eng
     eng.dispose()
 
@@ -106,15 +108,15 @@ def _consumer_series(engine: Engine, client: fakeredis.FakeRedis) -> Exported:
     def handle(conn: Connection, event: Event) -> None:
         """Nothing: only its duration histogram is wanted."""
 
-    # What cli/demo_app.py (the default app, the run worker) exports through Handlers.observed.
+    # What a Runs app (cli/demo_app.py) adds: its stats and the runs-by-status collector.
     handlers.observed.update(run_worker=WorkerStats(), run_sweeper=SweepStats())
+    handlers.collectors.append(RunsCollector(engine, PIPELINE))
     consumer = Consumer(settings, engine, client, handlers)  # unfenced: reads every key
     for key in consumer.keys:
         client.xgroup_create(key, GROUP, id="0", mkstream=True)
     hygiene.install(consumer)  # as cli/main.py: task "group hygiene"
     retention.register_consumer(consumer, settings)  # task "retention"
     metrics = ConsumerMetrics(consumer)
-    metrics.registry.register(RunsCollector(engine))
     event = Event(id="o-1:order.placed:1", source="test", type=EVENT_TYPE,
                   time=datetime.now(UTC), aggregatetype="order", aggregateid="o-1", revision=1)
     delivery = Delivery(keys.stream_key(PREFIX, STREAM, 0), "1-1", event, 1)
@@ -258,7 +260,7 @@ def test_every_alert_rule_uses_exported_metrics_and_labels(exported: Exported) -
 
 
 def test_every_metric_the_operations_doc_names_is_exported(exported: Exported) -> None:
-    tables = set(metadata.tables)  # outbox_runs, outbox_consumer_nodes … are tables too
+    tables = set(metadata.tables) | set(runs_schema.metadata.tables)  # tables, not metrics
     histograms = {name.removesuffix("_bucket") for name in exported if name.endswith("_bucket")}
     named = set(DOC_METRIC.findall(OPERATIONS.read_text(encoding="utf-8")))
     assert len(named) > 50

@@ -1,10 +1,11 @@
 """Stateful property: no sequence of events, writes or answers moves a run backward.
 
 Hypothesis drives the real :class:`RunStore` on a SQLite file with every kind of write a run
-can see — arbitrary status writes with current or stale revisions, claims for current and old
-event revisions, checkpoints with and without questions, answers (repeated, conflicting,
-unknown), sweeps — and after every step checks that the stored run's position on the
-forward-only scale, its revision, and terminal-ness never went back.
+can see — arbitrary status writes with current or stale revisions, by a store with the pipeline
+(a worker) and by one without (the HTTP API, the sweeper), leases for current and old event
+revisions, checkpoints with and without questions, answers (repeated, conflicting, unknown),
+sweeps — and after every step checks that the stored run's position on the forward-only scale,
+its revision, and terminal-ness never went back.
 """
 
 from __future__ import annotations
@@ -16,14 +17,17 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from outbox_relay.producer.runs import RunRow, RunStore
+from outbox_relay.cli.demo_app import PIPELINE
+from outbox_relay.runs import pipeline as rs
+from outbox_relay.runs.schema import metadata as runs_metadata
+from outbox_relay.runs.snapshot import Question
+from outbox_relay.runs.store import RunRow, RunStore
 from outbox_relay.shared import db
-from outbox_relay.shared import runstate as rs
 from outbox_relay.shared.errors import OutboxError
 from outbox_relay.shared.schema import metadata
 
 RUN = "run-1"
-STATUSES = sorted(rs.STATUSES)
+STATUSES = sorted(PIPELINE.statuses)
 
 
 class RunLifecycle(RuleBasedStateMachine):
@@ -32,9 +36,11 @@ class RunLifecycle(RuleBasedStateMachine):
         self.dir = tempfile.mkdtemp(prefix="runstate-")
         self.engine = db.make_engine(f"sqlite:///{self.dir}/m.db")
         metadata.create_all(self.engine)
-        self.store = RunStore()
+        runs_metadata.create_all(self.engine)
+        self.store = RunStore(pipeline=PIPELINE)  # a worker's
+        self.generic = RunStore()  # the HTTP API's, the sweeper's
         with self.engine.begin() as conn:
-            self.store.create(conn, RUN, {"request": {"ask": True}})
+            self.generic.create(conn, RUN, {"request": {"ask": True}})
         self.token: str | None = None
         self.high = (0, 1, False)  # position, revision, terminal
 
@@ -54,21 +60,24 @@ class RunLifecycle(RuleBasedStateMachine):
             pass  # refused writes are the point; the invariant checks what did happen
 
     @rule(status=st.sampled_from(STATUSES), lag=st.integers(0, 2),
-          asked_by=st.sampled_from([None, *sorted(rs.ASKING_STAGES)]))
-    def write(self, status: str, lag: int, asked_by: str | None) -> None:
+          asked_by=st.sampled_from([None, *sorted(PIPELINE.asking)]),
+          resume_at=st.sampled_from([None, *STATUSES]), worker=st.booleans())
+    def write(self, status: str, lag: int, asked_by: str | None, resume_at: str | None,
+              worker: bool) -> None:
         row = self.row()
-        record = {**row.record, "asked_by": asked_by}
-        self.attempt(lambda c: self.store.compare_and_set(
+        record = {**row.record, "asked_by": asked_by, "resume_at": resume_at}
+        store = self.store if worker else self.generic
+        self.attempt(lambda c: store.compare_and_set(
             c, RUN, row.revision - lag, record, status=status))
 
     @rule(lag=st.integers(0, 2))
-    def claim(self, lag: int) -> None:
+    def lease(self, lag: int) -> None:
         row = self.row()
         token = f"t{row.revision}"
 
         def go(conn: object) -> None:
-            if self.store.claim(conn, RUN, row.revision - lag, token,  # type: ignore[arg-type]
-                                ttl_ms=60_000).row is not None:
+            if self.store.lease_for_event(conn, RUN, row.revision - lag,  # type: ignore[arg-type]
+                                          token, ttl_ms=60_000).row is not None:
                 self.token = token
         self.attempt(go)
 
@@ -78,25 +87,25 @@ class RunLifecycle(RuleBasedStateMachine):
         row = self.row()
         if stale:
             row = RunRow(row.id, row.revision - 1, row.status, row.record)
-        questions = [rs.Question(interaction_id="q1", prompt="?")] if ask else None
+        questions = [Question(interaction_id="q1", prompt="?")] if ask else None
         self.attempt(lambda c: self.store.checkpoint(c, row, str(self.token), {"ok": 1},
                                                      questions=questions, ttl_ms=60_000))
 
     @rule(key=st.sampled_from(["k1", "k2"]), value=st.sampled_from(["yes", "no"]),
           interaction=st.sampled_from(["q1", "q9"]))
     def answer(self, key: str, value: str, interaction: str) -> None:
-        self.attempt(lambda c: self.store.submit_answer(c, RUN, interaction, value, key))
+        self.attempt(lambda c: self.generic.submit_answer(c, RUN, interaction, value, key))
 
     @rule(max_attempts=st.integers(0, 2))
     def sweep(self, max_attempts: int) -> None:
         row = self.row()
-        self.attempt(lambda c: self.store.resume(c, RUN, row.revision, max_attempts=max_attempts,
-                                                 now=2**62))
+        self.attempt(lambda c: self.generic.resume(c, RUN, row.revision,
+                                                   max_attempts=max_attempts, now=2**62))
 
     @invariant()
     def never_backward(self) -> None:
         row = self.row()
-        point = (rs.position(row.status, row.record.get("asked_by")), row.revision,
+        point = (PIPELINE.rank(row.status, row.record.get("asked_by")), row.revision,
                  row.status in rs.TERMINAL)
         position, revision, terminal = self.high
         assert point[0] >= position, f"moved back to {row.status}"

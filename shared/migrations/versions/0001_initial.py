@@ -1,4 +1,7 @@
-"""Initial schema: runs, outbox events, inbox, inbox heads, relay leases and nodes.
+"""Initial schema: outbox events, inbox, inbox heads, relay leases and nodes.
+
+Before 0.1.0 this migration also created ``outbox_runs``; that table now belongs to the runs
+component and its own migrations (``runs/migrations``), which adopt a table created here.
 
 Revision ID: 0001
 Revises:
@@ -18,22 +21,6 @@ SeqType = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
 
 
 def upgrade() -> None:
-    op.create_table(
-        "outbox_runs",
-        sa.Column("id", sa.String(128), nullable=False),
-        sa.Column("revision", sa.BigInteger, nullable=False),
-        sa.Column("status", sa.String(32), nullable=False),
-        sa.Column("record", sa.Text, nullable=False),
-        sa.Column("lease_owner", sa.String(128)),
-        sa.Column("lease_expires_at_ms", sa.BigInteger),
-        sa.Column("attempts", sa.Integer, nullable=False, server_default=sa.text("0")),
-        sa.Column("created_at_ms", sa.BigInteger, nullable=False),
-        sa.Column("updated_at_ms", sa.BigInteger, nullable=False),
-        sa.PrimaryKeyConstraint("id", name="pk_outbox_runs"),
-    )
-    op.create_index(
-        "ix_outbox_runs_status_lease", "outbox_runs", ["status", "lease_expires_at_ms"]
-    )
     op.create_table(
         "outbox_events",
         sa.Column("seq", SeqType, nullable=False, autoincrement=True),
@@ -117,6 +104,5 @@ def downgrade() -> None:
         "outbox_inbox_heads",
         "outbox_inbox",
         "outbox_events",
-        "outbox_runs",
     ):
         op.drop_table(table)

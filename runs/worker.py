@@ -2,20 +2,24 @@
 
 Flow of one event (design.md flow 4):
 
-1. **Claim**, inside the consumer's claim transaction (the handler gets its connection): the
+1. **Lease**, inside the consumer's receipt transaction (the handler gets its connection): the
    event's revision must equal the run's (older → ``stale``, acknowledged and skipped); a
    terminal run, a run waiting for answers, or one leased to a live worker is skipped without
    calling the agent. Otherwise the run is leased to a fresh token (owner, expiry) by
    compare-and-set in that same transaction, and the execution is scheduled with
-   ``Handlers.after_commit``: it starts only after the claim committed and the entry was
+   ``Handlers.after_commit``: it starts only after the lease committed and the entry was
    acknowledged, so a message is never held during the work.
 2. **Execute**, on one of ``run_concurrency`` threads, outside any transaction: each stage runs,
    then its output and the next status are saved by compare-and-set, fenced by the lease token.
    One heartbeat thread extends the leases of every run this worker holds. A failed
    compare-and-set (lease lost to the sweeper, run changed) stops the execution without writing.
-3. **Recover**: the sweeper (:mod:`consumer.sweeper`) gives runs whose lease expired a
-   ``run.resume`` event; the next claim continues from the checkpoint, so only the interrupted
+3. **Recover**: the sweeper (:mod:`runs.sweeper`) gives runs whose lease expired a
+   ``run.resume`` event; the next lease continues from the checkpoint, so only the interrupted
    stage runs again.
+
+The stages are the application's (:class:`~outbox_relay.runs.pipeline.Pipeline`), run by its
+agent; a stage that is not an asking one and returns questions fails the run
+(``unexpected_questions``): asking from there would break the forward-only order.
 
 Startup order (:func:`start_worker`): open the store and check the schema → recover (one sweep)
 → consume. Checking first means recovery never writes to a database this code does not
@@ -35,17 +39,19 @@ from dataclasses import dataclass, field
 
 from sqlalchemy import Connection, Engine
 
-from outbox_relay.consumer.agent import Agent, AgentError, StageContext
-from outbox_relay.consumer.groupcommit import GroupCommit
 from outbox_relay.consumer.handlers import Handlers
-from outbox_relay.consumer.sweeper import Sweeper
-from outbox_relay.producer.runs import RunRow, RunStore, store_for
+from outbox_relay.runs import pipeline as rs
+from outbox_relay.runs.agent import Agent, AgentError, StageContext
+from outbox_relay.runs.groupcommit import GroupCommit
+from outbox_relay.runs.pipeline import Pipeline
+from outbox_relay.runs.schema import check_schema
+from outbox_relay.runs.settings import RunSettings
+from outbox_relay.runs.store import RunRow, RunStore, store_for
+from outbox_relay.runs.sweeper import Sweeper
 from outbox_relay.shared import faults
-from outbox_relay.shared import runstate as rs
-from outbox_relay.shared.db import check_schema, make_engine, translate_errors
+from outbox_relay.shared.db import make_engine, translate_errors
 from outbox_relay.shared.envelope import Event
 from outbox_relay.shared.errors import ConflictError, LeaseLostError, NotFoundError, OutboxError
-from outbox_relay.shared.settings import ConsumerSettings
 
 log = logging.getLogger(__name__)
 
@@ -53,11 +59,7 @@ RUN_EVENTS = ("run.created", "run.resume", "run.answered", "run.needs_input",
               "run.completed", "run.failed")
 
 
-class WorkerSettings(ConsumerSettings, rs.RunSettings):
-    """A consumer daemon that runs the run worker (``OUTBOX_RUN_*``, ``OUTBOX_SWEEP_*``)."""
-
-
-def start_worker(settings: rs.RunSettings, agent: Agent, registry: Handlers, *,
+def start_worker(settings: RunSettings, pipeline: Pipeline, agent: Agent, registry: Handlers, *,
                  owner: str, engine: Engine | None = None) -> tuple[RunWorker, Sweeper]:
     """Open the store and check the schema → recover (one sweep) → register and start.
 
@@ -65,7 +67,7 @@ def start_worker(settings: rs.RunSettings, agent: Agent, registry: Handlers, *,
     """
     engine = make_engine(settings.database_url) if engine is None else engine
     check_schema(engine)
-    store = store_for(settings, source="outbox-worker")
+    store = store_for(settings, source="outbox-worker", pipeline=pipeline)
     sweeper = Sweeper(engine, store, settings)
     recovered = sweeper.sweep_once()
     if recovered.resumed or recovered.failed:
@@ -81,7 +83,7 @@ def start_worker(settings: rs.RunSettings, agent: Agent, registry: Handlers, *,
 class WorkerStats:
     """Counters since start (read by tests and the demo)."""
 
-    claimed: int = 0
+    leased: int = 0
     skipped: dict[str, int] = field(default_factory=dict)
     stages: int = 0
     completed: int = 0
@@ -93,22 +95,25 @@ class WorkerStats:
 
 @dataclass(frozen=True)
 class Lease:
-    """A claimed run and the token that fences every write of this execution."""
+    """A leased run and the token that fences every write of this execution."""
 
     row: RunRow
     token: str
 
 
 class RunWorker:
-    """Claims runs from events and executes their stages with an agent."""
+    """Leases runs from events and executes their stages with an agent."""
 
-    def __init__(self, engine: Engine, store: RunStore, agent: Agent, settings: rs.RunSettings,
+    def __init__(self, engine: Engine, store: RunStore, agent: Agent, settings: RunSettings,
                  *, owner: str = "worker") -> None:
+        if store.pipeline is None:
+            raise ValueError("a run worker needs a run store with the application's pipeline")
         self.engine, self.store, self.agent, self.settings = engine, store, agent, settings
+        self.pipeline: Pipeline = store.pipeline
         self.owner = owner
         self.stats = WorkerStats()
         self._registry: Handlers | None = None
-        self._held: dict[str, str] = {}  # token -> run id, claimed and not finished
+        self._held: dict[str, str] = {}  # token -> run id, leased and not finished
         self._lost: set[str] = set()
         self._lock = threading.Lock()
         self._jobs: queue.Queue[Lease] = queue.Queue()
@@ -116,14 +121,14 @@ class RunWorker:
         self._threads: list[threading.Thread] = []
         self._writer: GroupCommit[RunRow] = GroupCommit(engine)
 
-    # -- claim (consumer thread, inside the claim transaction) --------------------------------
+    # -- lease (consumer thread, inside the receipt transaction) -------------------------------
 
     def register(self, registry: Handlers) -> None:
         """Handle every ``run.*`` event type in ``registry``, ordered ``latest``.
 
         A run event carries no change, it only says "this run changed, re-read it": one older
         than the revision the group applied is ``superseded`` (acknowledged, counted), and the
-        claim below re-reads the run anyway.
+        lease below re-reads the run anyway.
         """
         self._registry = registry
         for kind in RUN_EVENTS:
@@ -136,24 +141,24 @@ class RunWorker:
             return len(self._held) >= 2 * self.settings.run_concurrency
 
     def handle(self, conn: Connection, event: Event, /) -> None:
-        """The handler: claim the run on ``conn`` and schedule its execution after commit."""
-        lease = self.claim(conn, event)
+        """The handler: lease the run on ``conn`` and schedule its execution after commit."""
+        lease = self.lease_run(conn, event)
         if lease is not None and self._registry is not None:
             self._registry.after_commit(event.id, lambda: self.submit(lease))
 
-    def claim(self, conn: Connection, event: Event) -> Lease | None:
+    def lease_run(self, conn: Connection, event: Event) -> Lease | None:
         """Lease the event's run in ``conn``'s transaction; None when it must be skipped."""
         if event.aggregateid is None:
             self._skip("no_aggregate")
             return None
         token = f"{self.owner}:{uuid.uuid4().hex[:12]}"
-        claim = self.store.claim(conn, event.aggregateid, event.revision, token,
-                                 ttl_ms=self.settings.run_lease_ttl_ms)
-        if claim.row is None:
-            self._skip(claim.skipped or "skipped")
+        outcome = self.store.lease_for_event(conn, event.aggregateid, event.revision, token,
+                                             ttl_ms=self.settings.run_lease_ttl_ms)
+        if outcome.row is None:
+            self._skip(outcome.skipped or "skipped")
             return None
-        self.stats.claimed += 1
-        return Lease(claim.row, token)
+        self.stats.leased += 1
+        return Lease(outcome.row, token)
 
     def _skip(self, reason: str) -> None:
         self.stats.skipped[reason] = self.stats.skipped.get(reason, 0) + 1
@@ -162,7 +167,7 @@ class RunWorker:
     # -- execution (pool threads, no transaction open) ----------------------------------------
 
     def submit(self, lease: Lease) -> None:
-        """Queue a claimed run for execution; from now on the heartbeat extends its lease.
+        """Queue a leased run for execution; from now on the heartbeat extends its lease.
 
         Never blocks: every run of a committed batch must be under the heartbeat at once, or
         the last ones' leases could expire while earlier ones wait. The backlog is bounded by
@@ -175,13 +180,13 @@ class RunWorker:
     def execute(self, lease: Lease) -> RunRow | None:
         """Run stages until the run waits, ends, or the lease is lost; return the last row."""
         row: RunRow | None = lease.row
-        while row is not None and row.status in rs.STAGES and not self._stop.is_set():
+        while row is not None and rs.in_stage(row.status) and not self._stop.is_set():
             row = self._run_stage(row, lease.token)
             if row is not None:  # a checkpoint was saved (None: nothing was written)
                 faults.point("worker.after_checkpoint")
         with self._lock:
             self._lost.discard(lease.token)
-            if row is None or row.status not in rs.STAGES:  # else stopping: close() releases
+            if row is None or not rs.in_stage(row.status):  # else stopping: close() releases
                 self._held.pop(lease.token, None)
         return row
 
@@ -201,6 +206,11 @@ class RunWorker:
             log.warning("stage %s of run %s raised %s; the lease will expire", row.status,
                         row.id, type(err).__name__)
             return None
+        if result.questions and row.status not in self.pipeline.asking:
+            log.warning("stage %s of run %s asked questions but is not an asking stage",
+                        row.status, row.id)
+            return self._write(token, lambda c: self.store.fail(c, row, "unexpected_questions",
+                                                                lease_token=token))
         new = self._write(token, lambda c: self.store.checkpoint(
             c, row, token, result.output, questions=result.questions,
             ttl_ms=self.settings.run_lease_ttl_ms))

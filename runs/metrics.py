@@ -14,10 +14,11 @@ from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from sqlalchemy import Engine, func, select
 
-from outbox_relay.shared import runstate as rs
+from outbox_relay.runs import pipeline as rs
+from outbox_relay.runs.pipeline import Pipeline
+from outbox_relay.runs.schema import runs
 from outbox_relay.shared.db import translate_errors
 from outbox_relay.shared.errors import OutboxError
-from outbox_relay.shared.schema import runs
 
 log = logging.getLogger(__name__)
 
@@ -30,10 +31,12 @@ def runs_by_status(engine: Engine) -> dict[str, int]:
 
 
 class RunsCollector(Collector):
-    """``outbox_runs{status}`` (every known status, 0 when none) at scrape time."""
+    """``outbox_runs{status}`` at scrape time: every generic status and every stage of
+    ``pipeline`` (when known) with 0 when none, and any other status that has runs."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, pipeline: Pipeline | None = None) -> None:
         self.engine = engine
+        self.known = rs.GENERIC if pipeline is None else pipeline.statuses
 
     def describe(self) -> list[Metric]:
         return []
@@ -46,6 +49,6 @@ class RunsCollector(Collector):
             return
         family = GaugeMetricFamily("outbox_runs", "Runs in each status now.",
                                    labels=["status"])
-        for status in sorted(set(rs.STATUSES) | set(counts)):
+        for status in sorted(self.known | set(counts)):
             family.add_metric([status], counts.get(status, 0))
         yield family

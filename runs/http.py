@@ -28,8 +28,8 @@ from sqlalchemy import Engine
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from outbox_relay.producer.runs import RunStore
-from outbox_relay.shared import runstate as rs
+from outbox_relay.runs.snapshot import RunSnapshot
+from outbox_relay.runs.store import RunStore
 from outbox_relay.shared.db import translate_errors
 from outbox_relay.shared.errors import (
     CannotConnectError,
@@ -101,25 +101,25 @@ def create_app(engine: Engine, store: RunStore, *, max_body_bytes: int = 65_536)
     """The API on ``engine``; each request is one short transaction."""
     app = FastAPI(title="outbox runs", version="1", responses=_ERRORS)
 
-    @app.post("/runs", status_code=201, response_model=rs.RunSnapshot)
-    def create_run(body: CreateRun) -> rs.RunSnapshot:
+    @app.post("/runs", status_code=201, response_model=RunSnapshot)
+    def create_run(body: CreateRun) -> RunSnapshot:
         run_id = body.run_id or str(uuid.uuid4())
         with translate_errors(), engine.begin() as conn:
             row = store.create(conn, run_id, {"request": body.request})
         return store.snapshot(row)
 
-    @app.get("/runs/{run_id}", response_model=rs.RunSnapshot)
-    def get_run(run_id: str) -> rs.RunSnapshot:
+    @app.get("/runs/{run_id}", response_model=RunSnapshot)
+    def get_run(run_id: str) -> RunSnapshot:
         with translate_errors(), engine.connect() as conn:
             return store.snapshot(store.get(conn, run_id))
 
-    @app.post("/runs/{run_id}/answers", response_model=rs.RunSnapshot)
+    @app.post("/runs/{run_id}/answers", response_model=RunSnapshot)
     def answer(
         run_id: str,
         body: Answer,
         response: Response,
         idempotency_key: Annotated[str, Header(min_length=1, max_length=128)],
-    ) -> rs.RunSnapshot:
+    ) -> RunSnapshot:
         with translate_errors(), engine.begin() as conn:
             result = store.submit_answer(conn, run_id, body.interaction_id, body.value,
                                          idempotency_key)

@@ -17,8 +17,9 @@ from dataclasses import dataclass
 
 from sqlalchemy import Engine
 
-from outbox_relay.producer.runs import RunStore
-from outbox_relay.shared import runstate as rs
+from outbox_relay.runs import pipeline as rs
+from outbox_relay.runs.settings import RunSettings
+from outbox_relay.runs.store import RunStore
 from outbox_relay.shared.db import now_ms, translate_errors
 from outbox_relay.shared.errors import (
     ConflictError,
@@ -65,7 +66,7 @@ def sweep(engine: Engine, store: RunStore, *, max_attempts: int, limit: int = 10
 class Sweeper:
     """Sweeps every ``sweep_interval_ms`` on a daemon thread, inside a consumer daemon."""
 
-    def __init__(self, engine: Engine, store: RunStore, settings: rs.RunSettings) -> None:
+    def __init__(self, engine: Engine, store: RunStore, settings: RunSettings) -> None:
         self.engine, self.store, self.settings = engine, store, settings
         self.total = SweepStats()
         self._stop = threading.Event()

@@ -5,13 +5,16 @@ A run row carries its ``revision`` twice: in its own column, so a compare-and-se
 edited by hand that disagrees with its row is caught (``corrupt_record``) instead of trusted.
 Every write returns the new record; every event id is ``{run_id}:{kind}:{revision}``. Every write
 goes through :meth:`RunStore.compare_and_set`, which also enforces the forward-only state machine
-of :mod:`shared.runstate`: no write, however late, moves a run backward.
+of :mod:`runs.pipeline`: no write, however late, moves a run backward. A store without a
+pipeline (the HTTP API, the sweeper) makes only the writes that need none (create, answer,
+resume, fail); leasing a queued run and saving a checkpoint need the application's pipeline.
 
 The record holds, besides the public fields: ``request`` (the original input), ``checkpoint``
 (``{stage: output}`` of finished stages), ``questions`` (pending), ``answers``, ``receipts``
-(``{idempotency_key: {fingerprint, interaction_id}}``), ``asked_by``, ``stage``, ``result`` and
-``error``. The execution lease lives in columns (``lease_owner`` is a per-claim token) so that a
-heartbeat extends it without a new revision. All methods run in the caller's transaction.
+(``{idempotency_key: {fingerprint, interaction_id}}``), ``asked_by``, ``resume_at`` (where an
+answered run goes on), ``stage``, ``result`` and ``error``. The execution lease lives in columns
+(``lease_owner`` is a per-lease token) so that a heartbeat extends it without a new revision.
+All methods run in the caller's transaction.
 """
 
 from __future__ import annotations
@@ -25,7 +28,10 @@ from sqlalchemy import Connection, exists, insert, or_, select, update
 from sqlalchemy.exc import IntegrityError
 
 from outbox_relay.producer.enqueue import Producer
-from outbox_relay.shared import runstate as rs
+from outbox_relay.runs import pipeline as rs
+from outbox_relay.runs.pipeline import Pipeline
+from outbox_relay.runs.schema import runs
+from outbox_relay.runs.snapshot import Question, RunSnapshot, snapshot
 from outbox_relay.shared.db import now_ms
 from outbox_relay.shared.errors import (
     ConflictError,
@@ -36,7 +42,7 @@ from outbox_relay.shared.errors import (
     LeaseLostError,
     NotFoundError,
 )
-from outbox_relay.shared.schema import outbox, runs
+from outbox_relay.shared.schema import outbox
 from outbox_relay.shared.settings import CommonSettings
 
 RUNS_STREAM = "runs"
@@ -60,8 +66,9 @@ class RunRow:
 
 
 @dataclass(frozen=True)
-class Claim:
-    """What :meth:`RunStore.claim` decided: the leased run, or why the event is skipped."""
+class LeaseOutcome:
+    """What :meth:`RunStore.lease_for_event` decided: the leased run, or why the event is
+    skipped."""
 
     row: RunRow | None
     skipped: str | None = None  # stale | terminal | waiting | leased | not_found
@@ -87,6 +94,7 @@ class RunStore:
 
     producer: Producer = field(default_factory=Producer)
     stream: str = RUNS_STREAM
+    pipeline: Pipeline | None = None
 
     def create(
         self, conn: Connection, run_id: str, record: dict[str, Any], *, status: str = "queued"
@@ -117,9 +125,9 @@ class RunStore:
             raise NotFoundError(f"run {run_id!r} does not exist")
         return _parse(row)
 
-    def snapshot(self, row: RunRow) -> rs.RunSnapshot:
+    def snapshot(self, row: RunRow) -> RunSnapshot:
         """The public view of a stored run."""
-        return rs.snapshot(row.id, row.status, row.record, row.created_at_ms, row.updated_at_ms)
+        return snapshot(row.id, row.status, row.record, row.created_at_ms, row.updated_at_ms)
 
     def compare_and_set(
         self,
@@ -150,8 +158,7 @@ class RunStore:
             raise ConflictError(
                 f"run {run_id!r} is at revision {current.revision}, not {expected_revision}"
             )
-        rs.check_transition(current.status, status, asked_by=current.record.get("asked_by"),
-                            new_asked_by=record.get("asked_by"))
+        rs.check_transition(self.pipeline, current.status, status, current.record, record)
         revision = expected_revision + 1
         stored = {**record, "revision": revision, "status": status}
         now = now_ms()
@@ -176,34 +183,41 @@ class RunStore:
 
     # -- worker side -------------------------------------------------------------------------
 
-    def claim(
+    def lease_for_event(
         self, conn: Connection, run_id: str, revision: int | None, token: str, *,
         ttl_ms: int, now: int | None = None,
-    ) -> Claim:
+    ) -> LeaseOutcome:
         """Lease the run to ``token`` for the event at ``revision``, or say why not.
 
         The event must be for the run's current revision (older: ``stale``); terminal runs,
         runs waiting for answers and runs leased to someone else are skipped. A queued run
-        moves to its first stage. Runs in the caller's (the consumer's claim) transaction.
+        moves to the pipeline's first stage. A run in a stage the pipeline does not have (the
+        application removed it while the run was on its way) fails with ``unknown_stage``
+        rather than waiting forever: ``skipped`` is then ``unknown_stage``. Runs in the
+        caller's (the consumer's receipt) transaction.
         """
+        pipeline = self._pipeline("lease a run")
         now = now_ms() if now is None else now
         try:
             row = self.get(conn, run_id, for_update=True)
         except NotFoundError:
-            return Claim(None, "not_found")
-        skipped = _claim_skip(row, revision, now)
+            return LeaseOutcome(None, "not_found")
+        skipped = _lease_skip(row, revision, now)
         if skipped is not None:
-            return Claim(None, skipped)
-        status = rs.INGESTING_INPUTS if row.status == rs.QUEUED else row.status
+            return LeaseOutcome(None, skipped)
+        if row.status != rs.QUEUED and row.status not in pipeline.stages:
+            self.fail(conn, row, "unknown_stage")
+            return LeaseOutcome(None, "unknown_stage")
+        status = pipeline.first if row.status == rs.QUEUED else row.status
         leased = self.compare_and_set(
             conn, run_id, row.revision, {**row.record, "stage": status}, status=status,
             lease_owner=token, lease_expires_at_ms=now + ttl_ms,
         )
-        return Claim(leased)
+        return LeaseOutcome(leased)
 
     def checkpoint(
         self, conn: Connection, row: RunRow, token: str, output: Any, *,
-        questions: list[rs.Question] | None = None, ttl_ms: int,
+        questions: list[Question] | None = None, ttl_ms: int,
     ) -> RunRow:
         """Save the finished stage ``row.status``'s output and move to what comes next.
 
@@ -211,18 +225,20 @@ class RunStore:
         ``completed`` after the last stage (event ``run.completed``) or the next stage (lease
         extended). :class:`LeaseLostError`/:class:`ConflictError` if the run changed.
         """
+        pipeline = self._pipeline("save a checkpoint")
         stage = row.status
-        if stage not in rs.STAGES:
+        if stage not in pipeline.stages:
             raise InvalidTransitionError(f"a {stage} run has no stage to checkpoint")
         record = {**row.record, "checkpoint": {**row.record.get("checkpoint", {}), stage: output}}
         if questions:
             record.update(questions=[q.model_dump() for q in questions], asked_by=stage,
+                          resume_at=pipeline.next_stage(stage),
                           asked=[*row.record.get("asked", []),
                                  *(q.interaction_id for q in questions)])
             return self.compare_and_set(conn, row.id, row.revision, record,
                                         status=rs.NEEDS_INPUT, event="run.needs_input",
                                         lease_token=token)
-        status = rs.next_stage(stage)
+        status = pipeline.next_stage(stage)
         if status == rs.COMPLETED:
             return self.compare_and_set(conn, row.id, row.revision, {**record, "result": output},
                                         status=status, event="run.completed", lease_token=token)
@@ -268,7 +284,7 @@ class RunStore:
         """``(id, revision)`` of active runs whose execution lease expired before ``now``."""
         rows = conn.execute(
             select(runs.c.id, runs.c.revision)
-            .where(runs.c.status.in_(rs.STAGES), runs.c.lease_expires_at_ms < now)
+            .where(runs.c.lease_expires_at_ms < now, runs.c.status.not_in(sorted(rs.GENERIC)))
             .order_by(runs.c.lease_expires_at_ms).limit(limit)
         )
         return [(r[0], r[1]) for r in rows]
@@ -285,7 +301,7 @@ class RunStore:
         rows = conn.execute(
             select(runs.c.id, runs.c.revision, runs.c.status)
             .where(
-                runs.c.status.in_((rs.QUEUED, *rs.STAGES)),
+                runs.c.status.not_in(sorted({rs.NEEDS_INPUT, *rs.TERMINAL})),
                 or_(runs.c.lease_expires_at_ms.is_(None), runs.c.lease_expires_at_ms < now),
                 runs.c.updated_at_ms < now - stuck_after_ms,
                 ~undelivered,
@@ -341,7 +357,7 @@ class RunStore:
         if len(pending) == len(record.get("questions", [])):
             raise NotFoundError("the run has no pending question with this id",
                                 code="unknown_interaction")
-        status = rs.NEEDS_INPUT if pending else rs.next_stage(record["asked_by"])
+        status = rs.NEEDS_INPUT if pending else self._resume_at(record)
         new = {
             **record,
             "questions": pending,
@@ -364,13 +380,28 @@ class RunStore:
         )
 
 
-def store_for(settings: CommonSettings, source: str = "outbox-relay") -> RunStore:
+    def _pipeline(self, what: str) -> Pipeline:
+        if self.pipeline is None:
+            raise InvalidTransitionError(f"this run store has no pipeline: it cannot {what}")
+        return self.pipeline
+
+    def _resume_at(self, record: dict[str, Any]) -> str:
+        """Where an answered run goes on: recorded when it asked (the pipeline's next stage)."""
+        if self.pipeline is not None:
+            return self.pipeline.next_stage(str(record.get("asked_by")))
+        if "resume_at" not in record:
+            raise CorruptRecordError("a waiting run does not say where it resumes (resume_at)")
+        return str(record["resume_at"])
+
+
+def store_for(settings: CommonSettings, source: str = "outbox-relay",
+              pipeline: Pipeline | None = None) -> RunStore:
     """A run store whose events use the deployment's partitions and key prefix."""
     return RunStore(Producer(source=source, partitions=settings.partitions,
-                             key_prefix=settings.key_prefix))
+                             key_prefix=settings.key_prefix), pipeline=pipeline)
 
 
-def _claim_skip(row: RunRow, revision: int | None, now: int) -> str | None:
+def _lease_skip(row: RunRow, revision: int | None, now: int) -> str | None:
     if revision != row.revision:
         return "stale"
     if row.status in rs.TERMINAL:

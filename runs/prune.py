@@ -21,9 +21,9 @@ from __future__ import annotations
 
 from sqlalchemy import Engine, delete, func, select
 
-from outbox_relay.shared import runstate as rs
+from outbox_relay.runs import pipeline as rs
+from outbox_relay.runs.schema import runs
 from outbox_relay.shared.db import db_now_ms, delete_in_batches, is_postgres, translate_errors
-from outbox_relay.shared.schema import runs
 
 
 def prune_terminal_runs(
