@@ -8,6 +8,7 @@ COPY shared ./shared
 COPY producer ./producer
 COPY relay ./relay
 COPY consumer ./consumer
+COPY runs ./runs
 COPY cli ./cli
 # outbox_relay/ holds the facade and symlinks to the folders above (COPY keeps them).
 COPY outbox_relay ./outbox_relay

@@ -29,7 +29,7 @@ from typing import Any
 import redis
 
 from outbox_relay.relay import entry_ids, fence
-from outbox_relay.relay.claim import OutboxRow
+from outbox_relay.relay.outgoing import OutboxRow
 from outbox_relay.shared import keys, tracing
 from outbox_relay.shared.envelope import encode_fields
 from outbox_relay.shared.errors import StreamBehindError, UnavailableError
@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 # Reply: {stream top behind a gap or '', one status per entry}. Each refused XADD is
 # checked with XRANGE id id: the same event already there (an earlier attempt of this batch
 # landed) is "already"; otherwise the script stops appending, and checks each remaining entry
-# the same way so none that landed before is re-claimed under a new id (it would land twice).
+# the same way so none that landed before is re-taken under a new id (it would land twice).
 _BODY = """
 local entries = cjson.decode(ARGV[2])
 local maxlen = ARGV[3]

@@ -1,11 +1,11 @@
-"""The relay loop: own partitions, claim → append → settle, repeat.
+"""The relay loop: own partitions, take → append → settle, repeat.
 
-One round per owned partition: :func:`relay.store.claim` (one short transaction) →
+One round per owned partition: :func:`relay.store.take_batch` (one short transaction) →
 :func:`relay.append.append` (one script call per stream, fenced by the lease epoch in Redis, no
 transaction open) → optional durability barrier → :func:`relay.store.settle` (one short
-transaction, fenced by the lease epoch, which also claims the batch after the one in flight).
+transaction, fenced by the lease epoch, which also takes the batch after the one in flight).
 A batch that does not land whole (a gap, a refusal) ends the partition's round: the batch
-claimed after it is never appended, and the next round claims again from the lowest pending
+taken after it is never appended, and the next round takes again from the lowest pending
 row, so no row of an aggregate overtakes an earlier one. Failures of Redis or the database back
 off exponentially with jitter; nothing is marked while the outcome is unknown.
 ``SIGTERM``/``SIGINT`` let the in-flight round finish, release the leases, exit 0.
@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import redis
 from sqlalchemy import Engine
 
-from outbox_relay.relay import append, claim, repair, store, trim
+from outbox_relay.relay import append, outgoing, repair, store, trim
 from outbox_relay.relay.prune import PruneStats
 from outbox_relay.relay.wakeup import Wakeup
 from outbox_relay.shared import faults, keys, partition_counts
@@ -58,7 +58,7 @@ class RelayStats:
     already_present: int = 0
     ordering_gaps: int = 0
     failed: int = 0
-    not_appended: int = 0  # rows left behind a gap or refusal in their stream (claimed again)
+    not_appended: int = 0  # rows left behind a gap or refusal in their stream (taken again)
     unknown_outcomes: int = 0
     lease_losses: int = 0
     lease_acquisitions: int = 0  # partitions taken (or taken again under a new epoch)
@@ -181,31 +181,31 @@ class Relay:
         return busy
 
     def relay_partition(self, partition: int, epoch: int) -> bool:
-        """Claim, append and settle batches of one partition; True if there may be more.
+        """Take, append and settle batches of one partition; True if there may be more.
 
         Database and Redis work overlap, and the steady state is one transaction per batch:
         while batch N+1's append script is in flight (on the append thread), one
-        transaction settles batch N and claims batch N+2 (rows after N+1's last seq, under
+        transaction settles batch N and takes batch N+2 (rows after N+1's last seq, under
         ids above N+1's). At most one batch of a partition is in flight, so entries reach the
-        stream in id order; no transaction is open during a Redis call; every claim and settle
-        is fenced by the epoch; claimed batches are recorded on the lease row before their
-        ``XADD``, so any retry uses the same ids. The chain stops claiming after a short time
+        stream in id order; no transaction is open during a Redis call; every take and settle
+        is fenced by the epoch; taken batches are recorded on the lease row before their
+        ``XADD``, so any retry uses the same ids. The chain stops taking after a short time
         budget so the other partitions get their round.
 
-        Order per aggregate: a claim holds back any row with an earlier undelivered row of its
-        aggregate outside the batch in flight (:func:`relay.store.claim`), and the batch after
-        one that did not land whole is never appended (it was claimed assuming the one in
+        Order per aggregate: a take holds back any row with an earlier undelivered row of its
+        aggregate outside the batch in flight (:func:`relay.store.take_batch`), and the batch after
+        one that did not land whole is never appended (it was taken assuming the one in
         flight would land): that batch's settle forgets it and ends the round.
         """
         s = self.settings
-        current = self._claim(partition, epoch, None)
+        current = self._take(partition, epoch, None)
         if not current:
             return False
         self._found_rows = True
         deadline = time.monotonic() + min(1.0, s.lease_ttl_ms / 10_000)
 
-        def chained(rows: list[claim.OutboxRow]) -> bool:
-            """Whether to claim the batch after ``rows`` while ``rows`` is in flight."""
+        def chained(rows: list[outgoing.OutboxRow]) -> bool:
+            """Whether to take the batch after ``rows`` while ``rows`` is in flight."""
             return (
                 len(rows) >= s.batch_size
                 and time.monotonic() < deadline
@@ -217,7 +217,7 @@ class Relay:
             self._settle(partition, epoch, current, verdicts, None)
             return self._more(current, verdicts)
         flight: _Append | None = _Append(self, current, epoch).start()
-        following = self._claim(partition, epoch, _last_seq(current), inflight=current)
+        following = self._take(partition, epoch, _last_seq(current), inflight=current)
         try:
             while True:
                 assert flight is not None
@@ -228,16 +228,16 @@ class Relay:
                     return self._more(current, verdicts)
                 flight = _Append(self, following, epoch).start() if following else None
                 after = _last_seq(following) if following and chained(following) else None
-                claimed = self._settle(partition, epoch, current, verdicts, after, following)
+                taken = self._settle(partition, epoch, current, verdicts, after, following)
                 more = self._more(current, verdicts)
                 if flight is None:
                     return more
-                current, following = following, claimed
+                current, following = following, taken
         finally:
             if flight is not None:  # an error while the next batch was in flight
                 flight.wait_quietly()
 
-    def _more(self, rows: list[claim.OutboxRow], verdicts: append.Verdicts) -> bool:
+    def _more(self, rows: list[outgoing.OutboxRow], verdicts: append.Verdicts) -> bool:
         """Whether the partition may have more work right away after this batch (not after a
         refusal: Redis refusing now, OOM or ACL, would refuse a hot retry too)."""
         if verdicts.failed:
@@ -248,24 +248,24 @@ class Relay:
             or rows[0].retry
         )
 
-    def _claim(
+    def _take(
         self,
         partition: int,
         epoch: int,
         after_seq: int | None,
-        inflight: list[claim.OutboxRow] | None = None,
-    ) -> list[claim.OutboxRow]:
+        inflight: list[outgoing.OutboxRow] | None = None,
+    ) -> list[outgoing.OutboxRow]:
         s = self.settings
-        rows = store.claim(
+        rows = store.take_batch(
             self.engine, partition, self.node_id, epoch, s.batch_size, s.lease_ttl_ms, now_ms(),
             after_seq=after_seq, inflight=[r.seq for r in inflight or ()],
         )
         if rows:
-            faults.point("relay.after_claim")
+            faults.point("relay.after_take")
         return rows
 
     def _append(
-        self, rows: list[claim.OutboxRow], epoch: int
+        self, rows: list[outgoing.OutboxRow], epoch: int
     ) -> tuple[append.Verdicts, bool]:
         """The Redis side of a batch: the append script, then the optional durability barrier."""
         s = self.settings
@@ -279,7 +279,7 @@ class Relay:
         )
         return verdicts, confirmed
 
-    def _finish(self, flight: _Append, rows: list[claim.OutboxRow]) -> append.Verdicts:
+    def _finish(self, flight: _Append, rows: list[outgoing.OutboxRow]) -> append.Verdicts:
         """Wait for a batch's append; an unknown outcome is recorded and re-raised."""
         try:
             verdicts, confirmed = flight.result()
@@ -303,20 +303,20 @@ class Relay:
         self,
         partition: int,
         epoch: int,
-        rows: list[claim.OutboxRow],
+        rows: list[outgoing.OutboxRow],
         verdicts: append.Verdicts,
-        claim_after: int | None,
-        inflight: list[claim.OutboxRow] | None = None,
-    ) -> list[claim.OutboxRow]:
-        """Settle a batch; with ``claim_after``, claim the next one in the same transaction
+        take_after: int | None,
+        inflight: list[outgoing.OutboxRow] | None = None,
+    ) -> list[outgoing.OutboxRow]:
+        """Settle a batch; with ``take_after``, take the next one in the same transaction
         (``inflight``: the batch appended meanwhile). A batch that did not land whole drops
-        every recorded batch (the one claimed after it was never appended)."""
+        every recorded batch (the one taken after it was never appended)."""
         s = self.settings
         new_streams = {(r.stream, r.partition) for r in rows} - self._streams_seen
-        claimed = store.settle(
+        taken = store.settle(
             self.engine, partition, self.node_id, epoch, s.lease_ttl_ms, now_ms(),
             delivered=verdicts.delivered, gaps=verdicts.gaps, failed=verdicts.failed,
-            stream_top=verdicts.stream_top, claim_after=claim_after, batch_size=s.batch_size,
+            stream_top=verdicts.stream_top, take_after=take_after, batch_size=s.batch_size,
             inflight=[r.seq for r in inflight or ()], drop_recorded=not verdicts.complete,
             register=new_streams if verdicts.delivered else set(),
         )
@@ -328,9 +328,9 @@ class Relay:
         self.stats.ordering_gaps += len(verdicts.gaps)
         self.stats.failed += len(verdicts.failed)
         self.stats.not_appended += len(verdicts.not_appended)
-        if claimed:
-            faults.point("relay.after_claim")
-        return claimed
+        if taken:
+            faults.point("relay.after_take")
+        return taken
 
     def _refresh_leases(self) -> None:
         now = time.monotonic()
@@ -360,9 +360,9 @@ class Relay:
         self._next_lease_check = 0.0  # a later run() leases again at once
 
 
-def _last_seq(rows: list[claim.OutboxRow]) -> int:
+def _last_seq(rows: list[outgoing.OutboxRow]) -> int:
     """The greatest seq of a batch (rows are in id order, which is seq order but for rows an
-    earlier relay version claimed)."""
+    earlier relay version took)."""
     return max(r.seq for r in rows)
 
 
@@ -375,7 +375,7 @@ class _Append:
     batch's ``result``.
     """
 
-    def __init__(self, relay: Relay, rows: list[claim.OutboxRow], epoch: int) -> None:
+    def __init__(self, relay: Relay, rows: list[outgoing.OutboxRow], epoch: int) -> None:
         self._relay, self._rows, self._epoch = relay, rows, epoch
         self._future: Future[None] | None = None
         self._outcome: tuple[append.Verdicts, bool] | None = None

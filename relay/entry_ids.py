@@ -1,7 +1,7 @@
 """Explicit stream entry ids: ``<ms>-<seq>``, strictly increasing per partition.
 
-A claimed batch's ids are ``<batch ms>-<outbox seq>``: the relay records the batch on its lease
-row in the claim transaction, before any ``XADD`` (so any retry uses the same ids), and writes
+A taken batch's ids are ``<batch ms>-<outbox seq>``: the relay records the batch on its lease
+row in the take transaction, before any ``XADD`` (so any retry uses the same ids), and writes
 each row's id when it marks the row delivered. Because Redis refuses an explicit id that is not
 greater than the stream's top entry, a retry of the same row can never create a second copy,
 and a fenced-out relay cannot append behind a newer one.

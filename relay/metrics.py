@@ -58,7 +58,7 @@ RELAY_NAMES = {
                       "Rows held back because an earlier row of their stream was missing."),
     "failed": ("rows_refused", "Rows Redis refused to append (see append_errors by reason)."),
     "not_appended": ("rows_not_appended",
-                     "Rows left behind a gap or refusal in their stream (claimed again)."),
+                     "Rows left behind a gap or refusal in their stream (taken again)."),
     "unknown_outcomes": ("unknown_outcomes",
                          "Rows whose append outcome was unknown (Redis timed out or dropped)."),
     "lease_losses": ("lease_losses", "Partition leases lost to another relay."),

@@ -5,7 +5,7 @@ What is guaranteed:
 * **Never an undelivered row.** Every statement requires ``delivered_at_ms IS NOT NULL`` and
   older than the cut-off; a row the relay has not settled has ``delivered_at_ms`` NULL.
 * **Bounded transactions.** Each transaction deletes at most ``batch`` rows, oldest delivery
-  first (the partial index ``ix_outbox_events_delivered``), so neither the relay's own claims
+  first (the partial index ``ix_outbox_events_delivered``), so neither the relay's own takes
   and settles nor a producer ever waits behind one long delete.
 * **Several pruners at once** (every relay of a deployment runs one; ``outbox prune`` besides):
   on PostgreSQL each batch picks its rows with ``FOR UPDATE SKIP LOCKED``, so two pruners take

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 import redis
 from sqlalchemy import Engine
 
-from outbox_relay.relay import append, claim, entry_ids, store
+from outbox_relay.relay import append, entry_ids, outgoing, store
 from outbox_relay.relay import repair_streams as streams
 from outbox_relay.relay.repair_streams import Entry, StreamState
 from outbox_relay.shared import keys
@@ -141,7 +141,7 @@ def repair(
 
 
 def refill(
-    client: redis.Redis, finding: Finding, epoch: int, rows: Sequence[claim.OutboxRow],
+    client: redis.Redis, finding: Finding, epoch: int, rows: Sequence[outgoing.OutboxRow],
     chunk: int = CHUNK,
 ) -> int:
     """Append ``rows`` (above the top, in id order) in fenced chunks; how many landed.
@@ -163,7 +163,7 @@ def refill(
 
 
 def rebuild(
-    client: redis.Redis, finding: Finding, epoch: int, rows: Sequence[claim.OutboxRow],
+    client: redis.Redis, finding: Finding, epoch: int, rows: Sequence[outgoing.OutboxRow],
     maxlen: int = 0, chunk: int = CHUNK,
 ) -> int | None:
     """Rebuild the stream from ``rows`` (all delivered, in id order) and its own entries.
@@ -196,7 +196,7 @@ def rebuild(
     return sum(1 for e in keep if e.restored)
 
 
-def merge(rows: Iterable[claim.OutboxRow], current: Iterable[Entry]) -> list[Entry]:
+def merge(rows: Iterable[outgoing.OutboxRow], current: Iterable[Entry]) -> list[Entry]:
     """Delivered ``rows`` and the stream's ``current`` entries (both in id order) as one list
     in id order, one entry per id: the stream's own copy wins over the outbox's."""
     restored = (Entry(r.entry_id, _flat(r), restored=True) for r in rows)
@@ -207,7 +207,7 @@ def merge(rows: Iterable[claim.OutboxRow], current: Iterable[Entry]) -> list[Ent
     return out
 
 
-def _flat(row: claim.OutboxRow) -> list[bytes | str]:
+def _flat(row: outgoing.OutboxRow) -> list[bytes | str]:
     return [part for pair in append.to_fields(row).items() for part in pair]
 
 class Repairer:

@@ -1,9 +1,9 @@
-"""The relay's transactions: partition leases, claim, settle, record_unknown, repair queries.
+"""The relay's transactions: partition leases, take, settle, record_unknown, repair queries.
 
 The relay's SQL (SQLAlchemy Core) is in two modules. This one opens every transaction: leases
-and their fence, :func:`claim`, :func:`settle` (marking rows delivered, behind a gap or refused),
-:func:`record_unknown` and the broker data-loss repair's queries. :mod:`relay.claim` holds the
-claim's selection, run inside a transaction opened here once the lease is fenced.
+and their fence, :func:`take`, :func:`settle` (marking rows delivered, behind a gap or refused),
+:func:`record_unknown` and the broker data-loss repair's queries. :mod:`relay.outgoing` holds the
+selection of the outgoing batch, run inside a transaction opened here once the lease is fenced.
 
 Each public function runs one short transaction and returns plain data; none is ever held open
 across a Redis call. Every write that depends on owning a partition re-checks the lease's owner
@@ -33,15 +33,15 @@ from sqlalchemy import (
 from sqlalchemy.dialects import postgresql, sqlite
 
 from outbox_relay.relay import entry_ids
-from outbox_relay.relay.claim import (
+from outbox_relay.relay.outgoing import (
     Batch,
     OutboxRow,
-    claim_fresh,
-    claimable,
-    first_claimable,
+    first_sendable,
     load_batches,
     record,
     recorded_rows,
+    sendable,
+    take_fresh,
 )
 from outbox_relay.shared.db import db_now_ms, is_postgres, json_recordset, now_ms, translate_errors
 from outbox_relay.shared.errors import LeaseLostError
@@ -170,10 +170,10 @@ def _fence(
     """Fence and extend our lease in one statement; the lease's last entry id and batches, and
     the database's clock (:func:`shared.db.db_now_ms`), the one "now" of the transaction that
     every availability test of it uses (a row that turns available between two statements
-    must not be a claimable row to one and not a delayed one to the other).
+    must not be a sendable row to one and not a delayed one to the other).
 
     ``UPDATE … WHERE <lease is ours> [AND (<batches recorded> OR EXISTS (<pending row>))]
-    RETURNING last_entry_id, inflight, <db now>``. With ``pending``, an idle partition's claim
+    RETURNING last_entry_id, inflight, <db now>``. With ``pending``, an idle partition's take
     writes nothing (on SQLite, no WAL commit and fsync competing with producers for the write lock)
     and None comes back; the lease is still verified by a read (and extended by the relay's
     periodic :func:`acquire_leases`). Raises :class:`LeaseLostError` when fenced out.
@@ -181,7 +181,7 @@ def _fence(
     stmt = update(relay_leases).where(*_ours(partition, node_id, epoch, now))
     if pending is not None:
         stmt = stmt.where(
-            or_(relay_leases.c.inflight != "[]", first_claimable(pending).is_not(None))
+            or_(relay_leases.c.inflight != "[]", first_sendable(pending).is_not(None))
         )
     found = conn.execute(
         stmt.values(expires_at_ms=now + ttl_ms)
@@ -210,7 +210,7 @@ def _undelivered(conn: Connection, partition: int) -> tuple[Any, ...]:
     return (outbox.c.delivered_at_ms.is_(None),)
 
 
-def claim(
+def take_batch(
     engine: Engine,
     partition: int,
     node_id: str,
@@ -222,18 +222,18 @@ def claim(
     after_seq: int | None = None,
     inflight: Sequence[int] = (),
 ) -> list[OutboxRow]:
-    """Claim the next rows of a partition in ``seq`` order, each with its entry id.
+    """Take the next rows of a partition in ``seq`` order, each with its entry id.
 
     Without ``after_seq`` (the start of a relay's round over the partition), batches the lease
-    row still records — claimed by an attempt whose outcome is unknown, this relay's or a
+    row still records — taken by an attempt whose outcome is unknown, this relay's or a
     previous owner's — come back first, as they are, under their recorded ids
     (``retry=True``), so their retry cannot duplicate. Otherwise up to ``batch_size`` pending
-    rows, from the lowest, are claimed as a new batch whose ids ``<ms>-<seq>`` use an ``ms``
+    rows, from the lowest, are taken as a new batch whose ids ``<ms>-<seq>`` use an ``ms``
     above every id assigned before (the lease row remembers the last one), and the batch is
-    recorded on the lease row. ``after_seq`` skips rows up to that seq: the relay claims the
+    recorded on the lease row. ``after_seq`` skips rows up to that seq: the relay takes the
     next batch while the previous one (still undelivered, its seqs in ``inflight``) is being
     appended. A row is held back while an earlier undelivered row of its aggregate is neither
-    in ``inflight`` nor ahead of it in the batch (:mod:`relay.claim`). Raises
+    in ``inflight`` nor ahead of it in the batch (:mod:`relay.outgoing`). Raises
     :class:`LeaseLostError` when fenced out.
     """
     with translate_errors(), engine.begin() as conn:
@@ -242,9 +242,9 @@ def claim(
             lease = _fence(conn, partition, node_id, epoch, now, ttl_ms)
             assert lease is not None
             last, batches, db_now = lease
-            return claim_fresh(conn, partition, epoch, batch_size, db_now, last, batches,
+            return take_fresh(conn, partition, epoch, batch_size, db_now, last, batches,
                                after_seq=after_seq, inflight=inflight)
-        pending = claimable(partition, db_now_ms(is_postgres(conn)), None)
+        pending = sendable(partition, db_now_ms(is_postgres(conn)), None)
         found = _fence(conn, partition, node_id, epoch, now, ttl_ms, pending=pending)
         if found is None:
             return []
@@ -254,7 +254,7 @@ def claim(
             if rows:
                 return rows
             batches = []  # their rows are gone: nothing left to retry
-        return claim_fresh(conn, partition, epoch, batch_size, db_now, last, batches,
+        return take_fresh(conn, partition, epoch, batch_size, db_now, last, batches,
                            force_write=True)
 
 
@@ -310,7 +310,7 @@ def settle(
     gaps: list[int],
     failed: list[tuple[int, str]],
     stream_top: str | None = None,
-    claim_after: int | None = None,
+    take_after: int | None = None,
     batch_size: int = 0,
     inflight: Sequence[int] = (),
     drop_recorded: bool = False,
@@ -320,16 +320,16 @@ def settle(
 
     ``delivered``: ``(seq, entry_id)`` Redis holds; they are marked under that id. ``gaps``:
     rows whose id fell behind the stream's top without being there, and ``failed``:
-    ``(seq, error code)`` Redis refused; both stay pending and are claimed again in a later
+    ``(seq, error code)`` Redis refused; both stay pending and are taken again in a later
     batch, under new ids above every id so far (``stream_top``, the stream's last generated
     id behind a gap, raises that floor). The settled batch's record leaves the lease row.
 
-    With ``claim_after``, the same transaction also claims the next batch after that seq (as
-    :func:`claim` does, ``inflight`` being the seqs of the batch appended meanwhile) and
+    With ``take_after``, the same transaction also takes the next batch after that seq (as
+    :func:`take` does, ``inflight`` being the seqs of the batch appended meanwhile) and
     returns it: the relay's steady state is one transaction per batch. ``drop_recorded``
     forgets every recorded batch: the relay does so when a batch did not land whole, with the
-    next batch claimed but never appended (its ids were never used; its rows, like the ones
-    left behind, are claimed again in seq order under new ids).
+    next batch taken but never appended (its ids were never used; its rows, like the ones
+    left behind, are taken again in seq order under new ids).
 
     ``register``: ``(stream, partition)`` pairs this relay process has not delivered to before;
     they are made known (:func:`register_streams`) with the mark, so no delivered row's stream
@@ -362,11 +362,11 @@ def settle(
             )
         through = max(settled, default=-1)
         batches = [] if drop_recorded else [b for b in batches if b.first_seq > through]
-        if claim_after is None:
+        if take_after is None:
             record(conn, partition, epoch, batches, last)
             return []
-        return claim_fresh(conn, partition, epoch, batch_size, db_now, last, batches,
-                           after_seq=claim_after, inflight=inflight, force_write=True)
+        return take_fresh(conn, partition, epoch, batch_size, db_now, last, batches,
+                           after_seq=take_after, inflight=inflight, force_write=True)
 
 
 def record_unknown(engine: Engine, partition: int, seqs: list[int], code: str) -> None:

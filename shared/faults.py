@@ -27,7 +27,7 @@ SEED_ENV = "OUTBOX_FAULTS_SEED"
 
 POINTS = (
     "producer.before_commit",  # the outbox row is written, the caller's transaction is open
-    "relay.after_claim",  # rows claimed (entry ids assigned and committed), nothing appended
+    "relay.after_take",  # rows taken (entry ids assigned and committed), nothing appended
     "relay.after_xadd",  # Redis holds the entries, the outbox does not know it yet
     "relay.after_mark",  # delivered rows marked, before the next round
     "consumer.after_commit",  # inbox receipts and handler writes committed, no XACK yet

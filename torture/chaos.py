@@ -19,7 +19,7 @@ log = logging.getLogger("torture")
 
 POINTS_BY_KIND: dict[str, tuple[str, ...]] = {
     "producer": ("producer.before_commit",),
-    "relay": ("relay.after_claim", "relay.after_xadd", "relay.after_mark"),
+    "relay": ("relay.after_take", "relay.after_xadd", "relay.after_mark"),
     "consumer": ("consumer.after_commit", "consumer.after_ack"),
     "worker": ("worker.mid_stage", "worker.after_checkpoint"),
 }

@@ -45,7 +45,7 @@ def test_parse_refuses_typos_and_bad_rates(spec: str) -> None:
 def test_an_unnamed_point_does_nothing() -> None:
     faults.configure("relay.after_mark:1")
     try:
-        faults.point("relay.after_claim")  # would kill this test process if it fired
+        faults.point("relay.after_take")  # would kill this test process if it fired
     finally:
         faults.configure("")
 
@@ -89,7 +89,7 @@ def _stream_ids(client: redis.Redis, prefix: str) -> list[str]:
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("point", ["relay.after_claim", "relay.after_xadd", "relay.after_mark"])
+@pytest.mark.parametrize("point", ["relay.after_take", "relay.after_xadd", "relay.after_mark"])
 def test_relay_killed_at_a_point_then_restarted_delivers_each_event_once(
     point: str, engine: Engine, database_url: str, redis_client: redis.Redis, key_prefix: str
 ) -> None:

@@ -17,7 +17,7 @@ import redis
 from sqlalchemy import Engine, select, update
 
 from outbox_relay.producer import Producer
-from outbox_relay.relay import append, claim, store
+from outbox_relay.relay import append, outgoing, store
 from outbox_relay.relay.daemon import Relay
 from outbox_relay.shared import keys
 from outbox_relay.shared.db import now_ms
@@ -198,7 +198,7 @@ def test_relay_killed_between_xadd_and_mark(
     leases = store.acquire_leases(engine, "doomed", PARTITIONS, TTL, now_ms())
     landed = 0
     for partition, epoch in leases.items():
-        rows = store.claim(engine, partition, "doomed", epoch, 100, TTL, now_ms())
+        rows = store.take_batch(engine, partition, "doomed", epoch, 100, TTL, now_ms())
         if appended == "half":
             rows = rows[: len(rows) // 2]
         verdicts = append.append(redis_client, key_prefix, rows, epoch)
@@ -336,12 +336,12 @@ def test_fenced_out_relay_cannot_mark_and_its_late_xadd_does_not_duplicate(
     ids = enqueue_events(engine, 12, aggregates=1)
     partition = partition_of("agg-0")
     old = store.acquire_leases(engine, "old", PARTITIONS, TTL, now_ms())
-    stale_rows = store.claim(engine, partition, "old", old[partition], 100, TTL, now_ms())
+    stale_rows = store.take_batch(engine, partition, "old", old[partition], 100, TTL, now_ms())
     assert len(stale_rows) == 12
     expire_lease(engine, partition)  # "old" stalls past its lease
     new = store.acquire_leases(engine, "new", PARTITIONS, TTL, now_ms())
     assert new[partition] == old[partition] + 1
-    fresh_rows = store.claim(engine, partition, "new", new[partition], 100, TTL, now_ms())
+    fresh_rows = store.take_batch(engine, partition, "new", new[partition], 100, TTL, now_ms())
     assert [r.entry_id for r in fresh_rows] == [r.entry_id for r in stale_rows]
 
     if late_xadd == "before_takeover_append":
@@ -358,7 +358,7 @@ def test_fenced_out_relay_cannot_mark_and_its_late_xadd_does_not_duplicate(
                      delivered=[(r.seq, r.entry_id) for r in stale_rows], gaps=[], failed=[])
     assert info.value.code == "lease_lost"
     with pytest.raises(LeaseLostError):
-        store.claim(engine, partition, "old", old[partition], 100, TTL, now_ms())
+        store.take_batch(engine, partition, "old", old[partition], 100, TTL, now_ms())
     stale_relay = Relay(relay_settings(key_prefix, node_id="old"), engine, redis_client)
     with pytest.raises(LeaseLostError):
         stale_relay.relay_partition(partition, old[partition])
@@ -367,13 +367,13 @@ def test_fenced_out_relay_cannot_mark_and_its_late_xadd_does_not_duplicate(
     assert_all_marked(engine, redis_client, key_prefix)
 
 
-def claim_three(engine: Engine) -> tuple[list[str], int, int, list[claim.OutboxRow]]:
+def claim_three(engine: Engine) -> tuple[list[str], int, int, list[outgoing.OutboxRow]]:
     """Enqueue three events of one aggregate and claim them as relay "a": (ids, partition,
     epoch, rows)."""
     ids = enqueue_events(engine, 3, aggregates=1)
     partition = partition_of("agg-0")
     leases = store.acquire_leases(engine, "a", PARTITIONS, TTL, now_ms())
-    rows = store.claim(engine, partition, "a", leases[partition], 100, TTL, now_ms())
+    rows = store.take_batch(engine, partition, "a", leases[partition], 100, TTL, now_ms())
     return ids, partition, leases[partition], rows
 
 

@@ -97,13 +97,13 @@ def test_a_late_commit_below_the_chain_holds_back_the_next_revision(
             for i in range(20):
                 add(conn, others[i % 4], i // 4 + 1)
         epoch = store.acquire_leases(engine, "a", PARTITIONS, TTL, now_ms())[partition]
-        first = store.claim(engine, partition, "a", epoch, 5, TTL, now_ms())
+        first = store.take_batch(engine, partition, "a", epoch, 5, TTL, now_ms())
         assert len(first) == 5 and all(r.aggregate_id != "late" for r in first)
         tx.commit()
     with engine.begin() as conn:
         add(conn, "late", 2)
     after = max(r.seq for r in first)
-    second = store.claim(engine, partition, "a", epoch, 100, TTL, now_ms(), after_seq=after,
+    second = store.take_batch(engine, partition, "a", epoch, 100, TTL, now_ms(), after_seq=after,
                          inflight=[r.seq for r in first])
     assert [r.aggregate_id for r in second].count("late") == 0  # revision 2 waits
     assert len(second) == 15
@@ -199,13 +199,13 @@ def test_a_chained_claim_holds_back_behind_many_rows_left_below_it(
         for aggregate in left:
             add(conn, aggregate, 1)
     epoch = store.acquire_leases(engine, "a", PARTITIONS, TTL, now_ms())[partition]
-    below = store.claim(engine, partition, "a", epoch, 100, TTL, now_ms())
+    below = store.take_batch(engine, partition, "a", epoch, 100, TTL, now_ms())
     assert len(below) == 100
     with engine.begin() as conn:
         for aggregate, other in zip(left[:10], fresh, strict=True):
             add(conn, aggregate, 2)
             add(conn, other, 1)
-    rows = store.claim(engine, partition, "a", epoch, 5, TTL, now_ms(),
+    rows = store.take_batch(engine, partition, "a", epoch, 5, TTL, now_ms(),
                        after_seq=max(r.seq for r in below), inflight=[])
     assert [r.aggregate_id for r in rows] == fresh[:5]
 
@@ -327,7 +327,7 @@ def test_a_fenced_out_relay_cannot_append_at_all(
     enqueue_events(engine, 4, aggregates=1)
     partition = partition_of("agg-0")
     old = store.acquire_leases(engine, "old", PARTITIONS, TTL, now_ms())[partition]
-    rows = store.claim(engine, partition, "old", old, 100, TTL, now_ms())
+    rows = store.take_batch(engine, partition, "old", old, 100, TTL, now_ms())
     expire_lease(engine, partition)
     new = store.acquire_leases(engine, "new", PARTITIONS, TTL, now_ms())[partition]
     assert new == old + 1

@@ -59,3 +59,12 @@ def test_nothing_imports_our_code_by_its_folder_name() -> None:
             bare |= {f"{path.relative_to(ROOT)}: {n}" for n in _imports(path)
                      if n.split(".")[0] in COMPONENTS}
     assert not bare, sorted(bare)
+
+
+def test_the_image_and_the_wheel_carry_every_component() -> None:
+    """The Dockerfile copies each component folder the facade links to (a forgotten one builds
+    an image whose ``outbox`` fails at import)."""
+    linked = {p.name for p in (ROOT / "outbox_relay").iterdir() if p.is_symlink()}
+    assert linked == set(COMPONENTS)
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    assert {c for c in COMPONENTS if f"COPY {c} ./{c}" not in dockerfile} == set()

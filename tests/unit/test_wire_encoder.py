@@ -9,7 +9,7 @@ from datetime import UTC, datetime
 import pytest
 
 from outbox_relay.relay.append import to_fields
-from outbox_relay.relay.claim import OutboxRow
+from outbox_relay.relay.outgoing import OutboxRow
 from outbox_relay.shared.envelope import Event
 
 TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"

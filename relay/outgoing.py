@@ -1,11 +1,11 @@
-"""The claim's selection: which rows of a partition go out next, and under which ids (SQL).
+"""The outgoing batch: which rows of a partition go out next, and under which ids (SQL).
 
 The relay's SQL (SQLAlchemy Core) is in two modules. :mod:`relay.store` opens every
-transaction: partition leases and the fence, :func:`relay.store.claim`, settling (marking rows
+transaction: partition leases and the fence, :func:`relay.store.take_batch`, settling (marking rows
 delivered or failed), :func:`relay.store.record_unknown` and the repair's queries. This module
-runs inside the transaction a claim or a settle opened, after the lease was fenced: it chooses
+runs inside the transaction a take or a settle opened, after the lease was fenced: it chooses
 a batch — the candidates in ``seq`` order, the hold-back of a row behind an earlier undelivered
-row of its aggregate (:func:`_select_claimable`), the retry of a recorded batch under its
+row of its aggregate (:func:`_select_sendable`), the retry of a recorded batch under its
 recorded ids (:func:`recorded_rows`) — and records it in the lease row as JSON (:class:`Batch`).
 It opens no transaction and never re-checks the lease itself.
 """
@@ -40,7 +40,7 @@ from outbox_relay.shared.schema import outbox, relay_leases
 
 @dataclass(frozen=True)
 class OutboxRow:
-    """A claimed row, with the entry id it must be appended under."""
+    """A taken row, with the entry id it must be appended under."""
 
     seq: int
     event_id: str
@@ -55,16 +55,16 @@ class OutboxRow:
     headers: str
     created_at_ms: int
     entry_id: str
-    retry: bool = False  # claimed before (a batch the lease row still records): same id
+    retry: bool = False  # taken before (a batch the lease row still records): same id
 
 
 @dataclass(frozen=True)
 class Batch:
-    """A claimed, unsettled batch as its partition's lease row records it.
+    """A taken, unsettled batch as its partition's lease row records it.
 
     Its rows are the partition's undelivered rows with ``first_seq <= seq <= last_seq``; each
     is appended under ``<ms>-<seq>``. Recording three numbers in the one lease row replaces
-    writing an entry id on every claimed row (a second index-rewriting update of the whole
+    writing an entry id on every taken row (a second index-rewriting update of the whole
     batch), and still lets any retry — this relay's or the next owner's — use the same ids.
     """
 
@@ -73,8 +73,8 @@ class Batch:
     ms: int
 
 
-# The columns a claim reads, in OutboxRow's field order (up to entry_id). A pending row has an
-# entry_id only if an earlier version of the relay claimed it (ids were written per row then).
+# The columns a take reads, in OutboxRow's field order (up to entry_id). A pending row has an
+# entry_id only if an earlier version of the relay took it (ids were written per row then).
 _CLAIMED = tuple(outbox.c[f.name] for f in fields(OutboxRow)[:13])
 _new_row: Callable[..., OutboxRow] = OutboxRow  # positional construction from those columns
 
@@ -88,18 +88,18 @@ def _dump_batches(batches: list[Batch]) -> str:
     return json.dumps([[b.first_seq, b.last_seq, b.ms] for b in batches], separators=(",", ":"))
 
 
-def claimable(
+def sendable(
     partition: int, now: int | ColumnElement[int], after_seq: int | None
 ) -> tuple[Any, ...]:
-    """The claimable rows of a partition, in a form only the pending index serves in order.
+    """The sendable rows of a partition, in a form only the pending index serves in order.
 
     ``now`` is the database's clock (a value the transaction read once, or the expression).
 
     ``partition BETWEEN p AND p`` rather than ``partition = p``, with ``ORDER BY partition,
     seq`` (:data:`_IN_ORDER`): with an equality, PostgreSQL may walk the primary key in seq
-    order and filter, expecting claimable rows to be spread evenly; they all come after the
+    order and filter, expecting sendable rows to be spread evenly; they all come after the
     delivered ones, so that plan read every delivered row before finding a batch (250 ms per
-    claim over 400,000 rows, measured with ``EXPLAIN ANALYZE``; 30 ms with the partial index,
+    take over 400,000 rows, measured with ``EXPLAIN ANALYZE``; 30 ms with the partial index,
     which only grows with its dead entries until VACUUM). A range keeps ``partition`` in the
     ordering, which only the partial index ``(partition, seq) WHERE delivered_at_ms IS NULL``
     provides.
@@ -115,8 +115,8 @@ def claimable(
 _IN_ORDER = (outbox.c.partition, outbox.c.seq)
 
 
-def first_claimable(pending: tuple[Any, ...]) -> Any:
-    """The first claimable seq (a scalar subquery, NULL when none), found through the pending
+def first_sendable(pending: tuple[Any, ...]) -> Any:
+    """The first sendable seq (a scalar subquery, NULL when none), found through the pending
     index: ``EXISTS`` would be planned as a scan that stops at the first match, which reads
     every delivered row before the first pending one."""
     return select(outbox.c.seq).where(*pending).order_by(*_IN_ORDER).limit(1).scalar_subquery()
@@ -129,7 +129,7 @@ def recorded_rows(
     rows = conn.execute(
         select(*_CLAIMED)
         .where(
-            outbox.c.partition.between(partition, partition),  # see claimable
+            outbox.c.partition.between(partition, partition),  # see sendable
             outbox.c.delivered_at_ms.is_(None),
             outbox.c.available_at_ms <= now,
             or_(*(outbox.c.seq.between(b.first_seq, b.last_seq) for b in batches)),
@@ -147,13 +147,13 @@ def _by_id(rows: list[OutboxRow]) -> list[OutboxRow]:
     """Rows in entry id order: the order their ``XADD`` must follow.
 
     Only differs from seq order when a row carries an id an earlier version of the relay
-    wrote when it claimed the row (ids were written per row then): those are below every
+    wrote when it took the row (ids were written per row then): those are below every
     batch id, so they go first, keeping the batch's ids increasing.
     """
     return sorted(rows, key=lambda r: entry_ids.parse(r.entry_id))
 
 
-def claim_fresh(
+def take_fresh(
     conn: Connection,
     partition: int,
     epoch: int,
@@ -168,11 +168,11 @@ def claim_fresh(
 ) -> list[OutboxRow]:
     """Select a new batch after the recorded ones and record it (one lease-row write).
 
-    The record is the batch's runs of consecutive claimable rows, all under one ``ms``: a row
+    The record is the batch's runs of consecutive sendable rows, all under one ``ms``: a row
     held back splits a run, so a retry of the record (:func:`recorded_rows`) never includes it.
     """
     rows, runs = (
-        _select_claimable(conn, partition, batch_size, now, after_seq, inflight)
+        _select_sendable(conn, partition, batch_size, now, after_seq, inflight)
         if batch_size > 0 else ([], [])
     )
     new_last = last
@@ -195,7 +195,7 @@ def claim_fresh(
     return _by_id(out) if legacy else out
 
 
-# How many times a claim reads further when rows were held back. Each read is twice as long as
+# How many times a take reads further when rows were held back. Each read is twice as long as
 # the one before (blockers such as delayed rows fill a read's window), so 12 reads pass about
 # 2,300,000 rows: a partition with thousands of scheduled rows at its head still relays what is
 # ready behind them (the reads then cost time, never progress).
@@ -203,7 +203,7 @@ MAX_READS = 12
 SLACK = 64  # rows a read returns beyond the candidates wanted, for the blockers among them
 
 
-def _select_claimable(
+def _select_sendable(
     conn: Connection,
     partition: int,
     limit: int,
@@ -221,17 +221,17 @@ def _select_claimable(
     ``after_seq`` that committed after the chain passed its seq (on PostgreSQL seq order is
     not commit order) or a row whose append failed; a held row blocks its own later rows in
     turn. Rows without an aggregate id have no order to keep. Returns the rows (seq order)
-    and the ``(first seq, last seq)`` runs of consecutive claimed candidates.
+    and the ``(first seq, last seq)`` runs of consecutive taken candidates.
     """
-    claimed: list[Any] = []
+    taken: list[Any] = []
     runs: list[tuple[int, int]] = []
-    run: tuple[int, int] | None = None  # the open run: consecutive claimed candidates
+    run: tuple[int, int] | None = None  # the open run: consecutive taken candidates
     blocked: set[tuple[Any, Any, Any]] = set()
     floor = after_seq if after_seq is not None else -1
     above = -1  # blockers are looked up among the rows after this seq
     postgres = is_postgres(conn)
     for i in range(MAX_READS):
-        n = (limit - len(claimed) + SLACK) << i
+        n = (limit - len(taken) + SLACK) << i
         params: dict[str, Any] = {"b_part": partition, "b_now": now, "b_floor": floor,
                                   "b_above": above, "b_limit": n}
         left_behind = after_seq is not None and above < after_seq
@@ -247,29 +247,29 @@ def _select_claimable(
                     runs.append(run)
                     run = None
             else:
-                claimed.append(r)
+                taken.append(r)
                 run = (r[0] if run is None else run[0], r[0])
-                if len(claimed) >= limit:
+                if len(taken) >= limit:
                     break
-        if len(claimed) >= limit or len(rows) < n:
+        if len(taken) >= limit or len(rows) < n:
             break
-        above = rows[-1][0]  # read on; never claim at or below after_seq (the batch in flight)
+        above = rows[-1][0]  # read on; never take at or below after_seq (the batch in flight)
         floor = max(floor, above)
     if run is not None:
         runs.append(run)
-    return claimed, runs
+    return taken, runs
 
 
 @functools.cache
 def _read_query(postgres: bool, left_behind: bool) -> Any:
-    """One read of :func:`_select_claimable`, a statement built once (building it cost as
+    """One read of :func:`_select_sendable`, a statement built once (building it cost as
     much as running it): in seq order, up to ``b_limit`` rows after ``b_above`` that are
-    either **candidates** (claimable: after ``b_floor`` and available) or **blockers** (with
+    either **candidates** (sendable: after ``b_floor`` and available) or **blockers** (with
     an aggregate id, and delayed or, with ``left_behind``, at or below ``b_after`` and not in
     the JSON array ``b_inflight``), each with its ``available_at_ms`` to tell them apart.
 
     One scan of the pending index ``(partition, seq) WHERE delivered_at_ms IS NULL`` in
-    order (see :func:`claimable`), which stops after ``b_limit`` rows: it passes the batch in
+    order (see :func:`sendable`), which stops after ``b_limit`` rows: it passes the batch in
     flight (never returned) and every other pending row once.
     """
     part, now = bindparam("b_part", type_=Integer), bindparam("b_now", type_=BigInteger)
