@@ -17,7 +17,7 @@ class RunSettings(CommonSettings):
     """Run execution policy shared by workers, the sweeper and the HTTP service."""
 
     run_lease_ttl_ms: int = Field(
-        30_000, ge=100, description="Execution lease of a claimed run; a heartbeat extends it."
+        30_000, ge=100, description="How long a worker holds a run it runs; heartbeats extend it."
     )
     run_heartbeat_ms: int = Field(
         10_000, ge=20, description="How often a worker extends the leases of the runs it holds."

@@ -261,7 +261,7 @@ class RunStore:
         the stage's own compare-and-set, and it cannot revive a run swept by someone else
         (the sweep clears ``lease_owner``). On PostgreSQL rows locked by another transaction
         are skipped (``SKIP LOCKED``) rather than waited for: the heartbeat then never joins
-        a deadlock, and a locked row is being written by a claim or checkpoint right now
+        a deadlock, and a locked row is being written by a lease or checkpoint right now
         (still ours if its owner still is: the next beat extends it).
         """
         if not tokens:

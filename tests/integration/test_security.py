@@ -136,6 +136,18 @@ class PrivateRedis:
 
 
 def _start(folder: Path, certs: dict[str, Path], tls: bool) -> PrivateRedis:
+    """Start the server; a port another process took between ``free_port`` and the bind is
+    retried with new ports (it must never pass for a missing TLS build)."""
+    for _attempt in range(5):
+        try:
+            return _start_once(folder, certs, tls)
+        except RuntimeError as err:
+            if "Address already in use" not in str(err):
+                raise
+    raise RuntimeError("no free port for a private redis-server after 5 attempts")
+
+
+def _start_once(folder: Path, certs: dict[str, Path], tls: bool) -> PrivateRedis:
     port, tls_port = free_port(), free_port() if tls else None
     lines = [f"port {port}", "bind 127.0.0.1", 'save ""', "appendonly no", f"dir {folder}",
              "user default off", f"user admin on >{ADMIN_PW} ~* &* +@all"]
