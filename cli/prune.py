@@ -177,11 +177,12 @@ def prune_all(engine: Engine, settings: RetentionSettings, *, dry_run: bool) -> 
 
 
 def _runs_retention(engine: Engine, settings: RetentionSettings) -> float:
-    """``retention_runs``, or 0 (off, with a warning) when the database has no runs tables."""
+    """``retention_runs``, or 0 (off, with a warning) when the runs migrations never ran."""
     if settings.retention_runs <= 0:
         return 0.0
     if not runs_schema.in_use(engine):
-        log.warning("retention_runs is set but this database has no runs tables; ignored")
+        log.warning("retention_runs is set but the runs tables were never set up here "
+                    "(outbox db upgrade --runs); ignored")
         return 0.0
     return settings.retention_runs
 

@@ -155,8 +155,8 @@ class Consumer:
                     self._sleep_backoff(err)
         finally:
             shutdown_periodic(self.periodic)
+            self._release_leases()  # first: other consumers take the partitions at once
             self.handlers.stop()  # the app's stop hooks (the run worker's), after the last batch
-            self._release_leases()
         log.info("consumer %s stopped: %s", self.name, self.stats,
                  extra={"consumer": self.name, "group": self.settings.group})
         return self.stats

@@ -70,6 +70,8 @@ class Pipeline:
     asking: frozenset[str]
 
     def __init__(self, stages: Iterable[str], asking: Iterable[str] = ()) -> None:
+        if isinstance(stages, str) or isinstance(asking, str):
+            raise ConfigError("stages and asking are lists of stage names, not one string")
         stages, asking = tuple(stages), frozenset(asking)
         bad = [s for s in stages if not isinstance(s, str) or not STAGE_NAME.match(s)]
         if not stages or bad or len(set(stages)) != len(stages) or set(stages) & GENERIC:
@@ -164,19 +166,36 @@ def check_transition(
     """The one check every write of a run goes through (``before``/``after``: its records).
 
     With a pipeline, :meth:`Pipeline.check_transition`. Without one (see the module docstring),
-    only staying, failing, and leaving ``needs_input`` for the recorded ``resume_at``.
+    only staying, failing, and leaving ``needs_input`` for the recorded ``resume_at``. Either
+    way a waiting run keeps where it resumes, and leaves ``needs_input`` (other than to
+    ``failed``) only once no question is pending; entering it through a pipeline records the
+    stage after the asking one.
     """
     asked_by, new_asked_by = before.get("asked_by"), after.get("asked_by")
+    _check_waiting(pipeline, current, new, before, after)
     if pipeline is not None:
         pipeline.check_transition(current, new, asked_by=asked_by, new_asked_by=new_asked_by)
         return
     _check_common(current, new, asked_by, new_asked_by)
     if new in (current, FAILED):
         return
-    if current == NEEDS_INPUT and new == before.get("resume_at"):
+    if current == NEEDS_INPUT and in_stage(new) and new == before.get("resume_at"):
         return
     raise InvalidTransitionError(
         f"{current} → {new} moves the run along its stages: only a worker with the pipeline may")
+
+
+def _check_waiting(
+    pipeline: Pipeline | None, current: str, new: str, before: dict[str, Any],
+    after: dict[str, Any],
+) -> None:
+    if current == new == NEEDS_INPUT and after.get("resume_at") != before.get("resume_at"):
+        raise InvalidTransitionError("a waiting run cannot change where it resumes")
+    if current == NEEDS_INPUT and new not in (NEEDS_INPUT, FAILED) and after.get("questions"):
+        raise InvalidTransitionError("a run with pending questions cannot go on")
+    if (new == NEEDS_INPUT != current and pipeline is not None and current in pipeline.stages
+            and after.get("resume_at") != pipeline.next_stage(current)):
+        raise InvalidTransitionError("a run that asks must record the stage after the asking one")
 
 
 def _check_common(current: str, new: str, asked_by: str | None, new_asked_by: str | None) -> None:

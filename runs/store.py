@@ -46,6 +46,9 @@ from outbox_relay.shared.schema import outbox
 from outbox_relay.shared.settings import CommonSettings
 
 RUNS_STREAM = "runs"
+STORE_FIELDS = frozenset({"revision", "status", "stage", "checkpoint", "questions", "asked",
+                          "asked_by", "resume_at", "answers", "receipts", "result", "error"})
+"""Record fields only the store writes: a creator passing one is refused (``invalid_request``)."""
 AGGREGATE = "run"
 MAX_KEY_LENGTH = 128
 
@@ -71,7 +74,7 @@ class LeaseOutcome:
     skipped."""
 
     row: RunRow | None
-    skipped: str | None = None  # stale | terminal | waiting | leased | not_found
+    skipped: str | None = None  # stale | terminal | waiting | leased | not_found | unknown_stage
 
 
 @dataclass(frozen=True)
@@ -96,10 +99,13 @@ class RunStore:
     stream: str = RUNS_STREAM
     pipeline: Pipeline | None = None
 
-    def create(
-        self, conn: Connection, run_id: str, record: dict[str, Any], *, status: str = "queued"
-    ) -> RunRow:
-        """Insert revision 1 and its ``run.created`` event; ``conflict`` if the id exists."""
+    def create(self, conn: Connection, run_id: str, record: dict[str, Any]) -> RunRow:
+        """Insert revision 1, ``queued``, and its ``run.created`` event; ``conflict`` if the id
+        exists. The fields the store keeps (:data:`STORE_FIELDS`: status, stage, questions,
+        ``resume_at`` …) are refused with ``invalid_request``: a run starts from the beginning."""
+        status = rs.QUEUED
+        if reserved := sorted(STORE_FIELDS & set(record)):
+            raise InvalidRequestError(f"a new run's record cannot set {', '.join(reserved)}")
         now = now_ms()
         stored = {**record, "revision": 1, "status": status}
         try:
@@ -191,10 +197,10 @@ class RunStore:
 
         The event must be for the run's current revision (older: ``stale``); terminal runs,
         runs waiting for answers and runs leased to someone else are skipped. A queued run
-        moves to the pipeline's first stage. A run in a stage the pipeline does not have (the
-        application removed it while the run was on its way) fails with ``unknown_stage``
-        rather than waiting forever: ``skipped`` is then ``unknown_stage``. Runs in the
-        caller's (the consumer's receipt) transaction.
+        moves to the pipeline's first stage. A run in a stage the pipeline does not have is left
+        as it is (``unknown_stage``): during a rolling deploy a newer worker has that stage, and
+        failing the run would throw its work away; the worker logs it, and ``outbox reconcile``
+        lists and resumes such runs. Runs in the caller's (the consumer's receipt) transaction.
         """
         pipeline = self._pipeline("lease a run")
         now = now_ms() if now is None else now
@@ -206,7 +212,6 @@ class RunStore:
         if skipped is not None:
             return LeaseOutcome(None, skipped)
         if row.status != rs.QUEUED and row.status not in pipeline.stages:
-            self.fail(conn, row, "unknown_stage")
             return LeaseOutcome(None, "unknown_stage")
         status = pipeline.first if row.status == rs.QUEUED else row.status
         leased = self.compare_and_set(

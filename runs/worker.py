@@ -33,6 +33,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -68,7 +69,9 @@ def start_worker(settings: RunSettings, pipeline: Pipeline, agent: Agent, regist
     engine = make_engine(settings.database_url) if engine is None else engine
     check_schema(engine)
     store = store_for(settings, source="outbox-worker", pipeline=pipeline)
-    sweeper = Sweeper(engine, store, settings)
+    # The sweeper needs no pipeline (it only resumes or fails runs), and must not have one: a
+    # run in a stage this pipeline lacks must still get its run.resume.
+    sweeper = Sweeper(engine, store_for(settings, source="outbox-worker"), settings)
     recovered = sweeper.sweep_once()
     if recovered.resumed or recovered.failed:
         log.info("recovered %d run(s), failed %d", recovered.resumed, recovered.failed)
@@ -156,6 +159,9 @@ class RunWorker:
                                              ttl_ms=self.settings.run_lease_ttl_ms)
         if outcome.row is None:
             self._skip(outcome.skipped or "skipped")
+            if outcome.skipped == "unknown_stage":  # left for a worker that has the stage
+                log.warning("run %s is in a stage this worker's pipeline lacks; left as it is",
+                            event.aggregateid)
             return None
         self.stats.leased += 1
         return Lease(outcome.row, token)
@@ -287,10 +293,14 @@ class RunWorker:
                 log.warning("heartbeat failed: %s", err.code)
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """Stop after the running stages' checkpoints; let unfinished leases expire now."""
+        """Stop after the running stages' checkpoints (waiting ``timeout_s`` in all); let
+        unfinished leases expire now. A second call does nothing."""
+        if self._stop.is_set():
+            return
         self._stop.set()
+        deadline = time.monotonic() + timeout_s
         for thread in self._threads:
-            thread.join(timeout_s)
+            thread.join(max(deadline - time.monotonic(), 0.0))
         self._writer.stop()
         with self._lock:
             tokens = list(self._held)

@@ -108,7 +108,7 @@ relay_leases = Table(
     Column("epoch", BigInteger, nullable=False),
     Column("expires_at_ms", BigInteger, nullable=False),
     Column("last_entry_id", String(48), nullable=False),
-    # Claimed, unsettled batches as JSON ``[[first seq, last seq, ms], ...]`` (relay/claim.py).
+    # Taken, unsettled batches as JSON ``[[first seq, last seq, ms], ...]`` (relay/outgoing.py).
     Column("inflight", Text, nullable=False, server_default=text("'[]'")),
 )
 

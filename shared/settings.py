@@ -181,7 +181,7 @@ class RetentionSettings(CommonSettings):
 class RelaySettings(DaemonSettings, RetentionSettings):
     """The relay daemon (``outbox relay``)."""
 
-    batch_size: int = Field(500, ge=1, le=10_000, description="Rows claimed per batch.")
+    batch_size: int = Field(500, ge=1, le=10_000, description="Rows taken per batch.")
     lease_ttl_ms: int = Field(10_000, ge=500, description="Partition lease lifetime.")
     poll_min_ms: int = Field(5, ge=1, description="Shortest idle poll interval.")
     poll_max_ms: int = Field(

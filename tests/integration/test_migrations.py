@@ -92,9 +92,12 @@ def test_runs_tables_exist_only_when_asked_for_and_match_their_reference(engine:
 def test_a_runs_table_from_an_earlier_build_is_adopted(engine: Engine) -> None:
     """Development builds of 0.1.0 created ``outbox_runs`` in the core's first migration: the
     runs history adopts that table (its rows kept) and adds the sweeper's index."""
+    import json
+
     from sqlalchemy import func, insert, select, text
 
     from outbox_relay.runs import schema as runs_schema
+    from outbox_relay.runs.store import RunStore
 
     with engine.begin() as conn:  # the table as the earlier 0001 made it, with a run in it
         conn.execute(text(
@@ -108,9 +111,17 @@ def test_a_runs_table_from_an_earlier_build_is_adopted(engine: Engine) -> None:
         conn.execute(insert(runs_schema.runs).values(
             id="old", revision=1, status="queued", record='{"revision":1}', attempts=0,
             created_at_ms=1, updated_at_ms=1))
+        waiting = {"revision": 3, "status": "needs_input", "asked_by": "analyzing_jd",
+                   "questions": [{"interaction_id": "q", "prompt": "?", "stage": None}]}
+        conn.execute(insert(runs_schema.runs).values(
+            id="waiting", revision=3, status="needs_input", record=json.dumps(waiting),
+            attempts=0, created_at_ms=1, updated_at_ms=1))
     runs_schema.upgrade(engine)
     with engine.connect() as conn:
-        assert conn.execute(select(func.count()).select_from(runs_schema.runs)).scalar() == 1
+        assert conn.execute(select(func.count()).select_from(runs_schema.runs)).scalar() == 2
+    with engine.begin() as conn:  # answerable by the HTTP API's store (no pipeline)
+        answered = RunStore().submit_answer(conn, "waiting", "q", "yes", "k1").row
+    assert (answered.status, answered.revision) == ("matching_evidence", 4)
     assert _runs_diff(engine) == []
 
 

@@ -149,3 +149,14 @@ def test_attempts_exhausted_fails_the_run(engine: Engine) -> None:
     assert row.status == rs.FAILED and row.record["error"] == "attempts_exhausted"
     assert STORE.snapshot(row).error == "attempts_exhausted"
     assert events(engine, "run.resume") == 2 and events(engine, "run.failed") == 1
+
+
+def test_a_new_run_cannot_set_what_the_store_keeps(engine: Engine) -> None:
+    """A creator that passes a status, a resume_at or an answer would start the run elsewhere
+    than at the beginning: refused, nothing written."""
+    for field in ("status", "resume_at", "answers", "checkpoint"):
+        with pytest.raises(OutboxError) as info, engine.begin() as conn:
+            RunStore().create(conn, f"r-{field}", {"request": {}, field: "completed"})
+        assert info.value.code == "invalid_request" and field in info.value.message
+    with engine.connect() as conn:
+        assert conn.execute(select(func.count()).select_from(outbox)).scalar() == 0

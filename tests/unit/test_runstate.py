@@ -110,6 +110,7 @@ def test_without_the_pipeline_staying_failing_and_the_recorded_resume_are_allowe
     ("fetch", rs.COMPLETED, {}),
     (rs.NEEDS_INPUT, "summarize", BEFORE),   # not where it resumes
     (rs.NEEDS_INPUT, "publish", {"asked_by": "summarize"}),  # no resume_at recorded
+    (rs.NEEDS_INPUT, rs.COMPLETED, {"asked_by": "summarize", "resume_at": rs.COMPLETED}),
     (rs.COMPLETED, rs.FAILED, {}),
     (rs.FAILED, rs.FAILED, {}),
     ("Not A Status", rs.FAILED, {}),
@@ -119,6 +120,38 @@ def test_without_the_pipeline_every_move_along_the_stages_is_refused(
 ) -> None:
     with pytest.raises(InvalidTransitionError):
         rs.check_transition(None, current, new, before, before)
+
+
+@pytest.mark.parametrize("pipeline", [None, SMALL])
+def test_a_waiting_run_keeps_where_it_resumes_and_goes_on_only_when_all_is_answered(
+    pipeline: Pipeline | None,
+) -> None:
+    waiting = {**BEFORE, "questions": [{"interaction_id": "a"}, {"interaction_id": "b"}]}
+    with pytest.raises(InvalidTransitionError):  # rewriting resume_at while waiting
+        rs.check_transition(pipeline, rs.NEEDS_INPUT, rs.NEEDS_INPUT, waiting,
+                            {**waiting, "resume_at": "fetch"})
+    one_left = {**waiting, "questions": [{"interaction_id": "b"}]}
+    rs.check_transition(pipeline, rs.NEEDS_INPUT, rs.NEEDS_INPUT, waiting, one_left)
+    with pytest.raises(InvalidTransitionError):  # a question is still pending
+        rs.check_transition(pipeline, rs.NEEDS_INPUT, "publish", waiting, one_left)
+    rs.check_transition(pipeline, rs.NEEDS_INPUT, "publish", waiting, {**waiting, "questions": []})
+    rs.check_transition(pipeline, rs.NEEDS_INPUT, rs.FAILED, waiting, one_left)
+
+
+def test_asking_through_the_pipeline_records_the_stage_after_the_asking_one() -> None:
+    asked = {"asked_by": "summarize", "questions": [{"interaction_id": "a"}]}
+    rs.check_transition(SMALL, "summarize", rs.NEEDS_INPUT, {}, {**asked, "resume_at": "publish"})
+    for wrong in ("fetch", "summarize", rs.COMPLETED, None):
+        with pytest.raises(InvalidTransitionError):
+            rs.check_transition(SMALL, "summarize", rs.NEEDS_INPUT, {},
+                                {**asked, "resume_at": wrong})
+
+
+def test_a_pipeline_is_a_list_of_names_not_one_string() -> None:
+    with pytest.raises(ConfigError):
+        Pipeline("fetch")
+    with pytest.raises(ConfigError):
+        Pipeline(["fetch", "publish"], asking="fetch")
 
 
 def test_snapshot_shows_public_fields_only() -> None:
