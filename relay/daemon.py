@@ -114,8 +114,9 @@ class Relay:
         stop_on_signals(self.stop, log, "round")
 
     def run(self, *, until_idle: bool = False) -> RelayStats:
-        """Relay until stopped (or, with ``until_idle``, until a round finds nothing to do, or
-        after ``startup_timeout_s`` of rounds that all failed ``unavailable``)."""
+        """Relay until stopped (or, with ``until_idle``, until a round finds nothing to do here
+        and no other relay holds rows to send, or after ``startup_timeout_s`` of rounds that all
+        failed ``unavailable``)."""
         if is_postgres(self.engine) and not until_idle:
             self.wakeup.listen_postgres(
                 self.engine.url.render_as_string(hide_password=False),
@@ -130,6 +131,7 @@ class Relay:
                 self.last_loop = time.monotonic()
                 try:
                     busy = self.run_once()
+                    others = until_idle and not busy and self._others_have_work()
                     self._backoff.reset()
                     failing_since = None
                 except UnavailableError as err:
@@ -145,7 +147,9 @@ class Relay:
                 if busy:
                     self.wakeup.worked()
                 elif until_idle:
-                    break
+                    if not others:
+                        break
+                    self.wakeup.wait()
                 else:
                     if self._found_rows:  # a trickle of work: keep polling at the short interval
                         self.wakeup.worked()
@@ -159,6 +163,20 @@ class Relay:
                 self._append_thread = None
         log.info("relay %s stopped: %s", self.node_id, self.stats, extra={"node": self.node_id})
         return self.stats
+
+    def _others_have_work(self) -> bool:
+        """``--until-idle`` with nothing left in our partitions: is the outbox idle, or do
+        partitions we do not hold still have rows to send? Relays started together must split
+        the partitions, not leave them all to the first one: while another relay holds rows to
+        send, this one stays, checks leases every round and takes its share as soon as the
+        other gives it up (at its next lease round) or stops (or its lease expires)."""
+        waiting = store.sendable_elsewhere(self.engine, self.settings.partitions,
+                                           set(self.leases))
+        if waiting:
+            self._next_lease_check = 0.0
+            log.debug("waiting for partitions %s held by another relay", waiting,
+                      extra={"node": self.node_id})
+        return bool(waiting)
 
     def run_once(self) -> bool:
         """One round over our partitions; True if any partition had a full batch or errors."""

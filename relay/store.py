@@ -26,8 +26,10 @@ from sqlalchemy import (
     column,
     delete,
     func,
+    literal,
     or_,
     select,
+    union_all,
     update,
 )
 from sqlalchemy.dialects import postgresql, sqlite
@@ -435,6 +437,21 @@ def _register(conn: Connection, pairs: set[tuple[str, int]], now: int) -> None:
         [{"stream": s, "partition": p, "floor_entry_id": entry_ids.ZERO, "trimmed": 0,
           "updated_at_ms": now} for s, p in sorted(pairs)],
     )
+
+
+def sendable_elsewhere(engine: Engine, partitions: int, held: set[int]) -> list[int]:
+    """The partitions below ``partitions`` that this relay does not hold and that have a row to
+    send now (undelivered, available by the database's clock): what an ``--until-idle`` relay
+    waits for before it may call the outbox idle. One indexed probe per partition."""
+    others = [p for p in range(partitions) if p not in held]
+    if not others:
+        return []
+    with translate_errors(), engine.connect() as conn:
+        now = db_now_ms(is_postgres(conn))
+        probes = [select(literal(p).label("partition"),
+                         first_sendable(sendable(p, now, None)).label("seq")) for p in others]
+        rows = conn.execute(union_all(*probes)).all()
+    return sorted(int(r.partition) for r in rows if r.seq is not None)
 
 
 def unsettled_ms(engine: Engine, partition: int) -> int | None:

@@ -506,3 +506,38 @@ def test_sigterm_stops_the_relay_command_cleanly(
     assert b"Traceback" not in err
     assert set(lease_owners(engine).values()) == {None}
     assert_each_once(redis_client, key_prefix, ids)
+
+
+def test_relays_started_together_split_the_partitions_under_until_idle(
+    engine: Engine, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    """Relay A took every partition before B registered. An ``--until-idle`` B must not call
+    the outbox idle while A holds partitions with rows to send: it waits, takes its share when
+    A's next lease round gives it up, takes the rest when A stops, and exits once all is sent."""
+    ids = enqueue_events(engine, 40)  # 8 aggregates over the 4 partitions
+    a = store.acquire_leases(engine, "relay-a", PARTITIONS, 60_000, now_ms())
+    assert sorted(a) == list(range(PARTITIONS))  # alone: all four
+    b = Relay(relay_settings(key_prefix, node_id="relay-b"), engine, redis_client)
+    done: list[object] = []
+    thread = threading.Thread(target=lambda: done.append(b.run(until_idle=True)), daemon=True)
+    thread.start()
+    try:
+        wait_until(lambda: b.stats.rounds >= 3 or not thread.is_alive(),
+                   what="relay B's rounds while A holds all")
+        assert thread.is_alive(), "relay B called the outbox idle while A holds its rows"
+        assert not b.leases and undelivered(engine) == 40
+        a = store.acquire_leases(engine, "relay-a", PARTITIONS, 60_000, now_ms())
+        assert len(a) == PARTITIONS // 2  # two live relays: A keeps its fair share
+        mine = set(range(PARTITIONS)) - set(a)
+        wait_until(lambda: set(b.leases) == mine, what="relay B taking the freed partitions")
+        wait_until(lambda: all(r.delivered_at_ms is not None for r in outbox_rows(engine)
+                               if r.partition in mine), what="B's partitions sent")
+        assert thread.is_alive() and undelivered(engine) > 0  # A's rows: still waiting
+        store.release_leases(engine, "relay-a", a)  # A stops
+        thread.join(timeout=30)
+        assert not thread.is_alive() and done
+    finally:
+        b.stop()
+        thread.join(timeout=10)
+    assert undelivered(engine) == 0
+    assert_each_once(redis_client, key_prefix, ids)

@@ -382,7 +382,7 @@ def test_a_batch_appended_but_never_marked_is_not_trimmed_before_its_retry(
     relay = _relay(engine, redis_client, key_prefix)
     _enqueue(engine, key_prefix, 2, 3)
     epoch = _epoch(relay)
-    rows = relay._claim(0, epoch, None)  # recorded on the lease row...
+    rows = relay._take(0, epoch, None)  # recorded on the lease row...
     append.append(redis_client, key_prefix, rows, epoch)  # ...appended, never marked
     appended = {r.event_id: r.entry_id for r in rows}
     assert _read_ack(redis_client, key, "g", 10) == 5
