@@ -27,6 +27,7 @@ from sqlalchemy import (
     Connection,
     Delete,
     Engine,
+    MetaData,
     bindparam,
     cast,
     create_engine,
@@ -364,6 +365,20 @@ class Migrations:
         with translate_errors(), engine.begin() as conn:
             command.upgrade(self.config(conn), "head")
         return self.code_head()
+
+
+def run_migrations(context: Any, target_metadata: MetaData) -> None:
+    """The body of every ``env.py`` of ours (the core's, the runs component's): run on the
+    connection and version table :class:`Migrations` passed, batch mode on SQLite."""
+    connection = context.config.attributes["connection"]
+    context.configure(
+        connection=connection,
+        target_metadata=target_metadata,
+        version_table=context.config.attributes["version_table"],
+        render_as_batch=connection.dialect.name == "sqlite",
+    )
+    with context.begin_transaction():
+        context.run_migrations()
 
 
 CORE = Migrations(MIGRATIONS, VERSION_TABLE, "outbox db upgrade")

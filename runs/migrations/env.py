@@ -9,13 +9,6 @@ from __future__ import annotations
 from alembic import context
 
 from outbox_relay.runs.schema import metadata
+from outbox_relay.shared.db import run_migrations
 
-connection = context.config.attributes["connection"]
-context.configure(
-    connection=connection,
-    target_metadata=metadata,
-    version_table=context.config.attributes["version_table"],
-    render_as_batch=connection.dialect.name == "sqlite",
-)
-with context.begin_transaction():
-    context.run_migrations()
+run_migrations(context, metadata)

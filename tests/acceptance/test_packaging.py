@@ -39,7 +39,7 @@ def test_the_wheel_installs_one_package_and_the_facade_imports(tmp_path: Path) -
     site = Path(_run(python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])")
                 .strip())
     ours = {p.name for p in site.iterdir()} & {"shared", "cli", "producer", "relay", "consumer",
-                                                "outbox_relay"}
+                                                "runs", "outbox_relay"}
     assert ours == {"outbox_relay"}  # nothing generic at the top of site-packages
     installed = _run(python, "-m", "pip", "list", "--format=freeze").lower()
     for extra_only in ("fastapi", "uvicorn", "aiosqlite", "opentelemetry-api"):
@@ -67,4 +67,11 @@ finally:
         conn.execute(text('DROP SCHEMA "{schema}" CASCADE'))
 """
     assert _run(python, "-c", script, cwd=tmp_path).strip() == "t-1:thing.done:1"
+    # The runs component's own migrations are in the wheel too (opt-in, on SQLite here).
+    runs = f"""
+from outbox_relay import make_engine
+from outbox_relay.runs import Pipeline, Runs, upgrade
+print(upgrade(make_engine("sqlite:///{tmp_path}/runs.db")))
+"""
+    assert _run(python, "-c", runs, cwd=tmp_path).strip() == "r0001"
     assert "usage: outbox" in _run(str(env / "bin" / "outbox"), "--help")
