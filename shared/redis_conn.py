@@ -15,12 +15,20 @@ from outbox_relay.shared.redaction import redact_url
 log = logging.getLogger(__name__)
 
 
+SENTINEL_SCHEMES = ("redis+sentinel", "rediss+sentinel")
+SENTINEL_PORT = 26379
+
+
 def connect_redis(url: str, *, timeout_s: float = 5.0) -> redis.Redis:
-    """A client for ``url`` (``redis://``, ``rediss://``, ``unix://``) with bounded timeouts.
+    """A client for ``url`` (``redis://``, ``rediss://``, ``unix://``, or a Sentinel set:
+    ``redis+sentinel://``/``rediss+sentinel://``, see :func:`sentinel_master`) with bounded
+    timeouts.
 
     Responses stay ``bytes``: entry fields may hold anything a foreign producer wrote, and the
     envelope parser decides what is valid UTF-8.
     """
+    if url.split("://", 1)[0].lower() in SENTINEL_SCHEMES:
+        return sentinel_master(url, timeout_s=timeout_s)
     try:
         return redis.Redis.from_url(
             url,
@@ -31,6 +39,55 @@ def connect_redis(url: str, *, timeout_s: float = 5.0) -> redis.Redis:
         )
     except ValueError as err:
         raise ConfigError(f"invalid Redis URL {redact_url(url)}") from err
+
+
+def sentinel_master(url: str, *, timeout_s: float = 5.0) -> redis.Redis:
+    """A client of the master a Sentinel set names, following it across failovers.
+
+    ``redis+sentinel://[user:password@]host[:port][,host[:port]…]/service[/db]`` (ports default
+    to 26379; ``rediss+sentinel`` for TLS to the master; ``?sentinel_password=`` when the
+    Sentinels have their own password). The client asks the Sentinels for the master on every
+    new connection; after a failover the old master's connections fail (``READONLY``, reset)
+    and surface as ``unavailable``, which every daemon retries, reconnecting to the new master.
+    With ``OUTBOX_WAIT_REPLICAS`` the relay marks rows delivered only once a replica has them;
+    without it, the relay's repair (each stream compared with the outbox) refills what the
+    promoted replica lacked.
+    """
+    from urllib.parse import parse_qs, unquote, urlsplit
+
+    from redis.sentinel import Sentinel
+
+    invalid = ConfigError(f"invalid Sentinel URL {redact_url(url)}: expected "
+                          "redis+sentinel://[user:password@]host[:port],…/service[/db]")
+    try:
+        parts = urlsplit(url)
+        hosts = parts.netloc.rpartition("@")[2]
+        addresses = []
+        for item in hosts.split(","):
+            host, colon, port = item.strip().rpartition(":")
+            if not colon:
+                host, port = item.strip(), ""
+            addresses.append((host, int(port) if port else SENTINEL_PORT))
+        path = [unquote(p) for p in parts.path.split("/") if p]
+        query = parse_qs(parts.query)
+    except ValueError:
+        raise invalid from None
+    if not path or len(path) > 2 or not all(host for host, _ in addresses):
+        raise invalid
+    service, db = path[0], int(path[1]) if len(path) == 2 and path[1].isdigit() else 0
+    if len(path) == 2 and not path[1].isdigit():
+        raise invalid
+    timeouts = {"socket_timeout": timeout_s, "socket_connect_timeout": min(timeout_s, 5.0)}
+    sentinel_password = query.get("sentinel_password", [None])[0]
+    sentinel = Sentinel(  # type: ignore[no-untyped-call]
+        addresses, sentinel_kwargs={**timeouts, "password": sentinel_password})
+    client: redis.Redis = sentinel.master_for(  # type: ignore[no-untyped-call]
+        service, username=unquote(parts.username) if parts.username else None,
+        password=unquote(parts.password) if parts.password else None, db=db,
+        ssl=parts.scheme.lower().startswith("rediss"), health_check_interval=30,
+        retry_on_timeout=False, **timeouts,
+    )
+    return client
 
 
 @contextlib.contextmanager
