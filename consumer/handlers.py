@@ -23,13 +23,14 @@ Each handler also says how it treats the order of an aggregate's events (design.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Literal, Protocol
 
 from prometheus_client.registry import Collector
 from sqlalchemy import Connection
 
 from outbox_relay.shared.envelope import Event
+from outbox_relay.shared.metrics import Naming
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,7 @@ class Handlers:
         # Counters the app's own components keep (dataclasses such as the run worker's),
         # exported with the daemon's metrics as outbox_consumer_<name>_…_total.
         self.observed: dict[str, object] = {}
+        self.namings: dict[str, Naming] = {}  # how :meth:`observe` named them
         # Prometheus collectors the app's components add (the run worker: runs by status),
         # registered with the daemon's metrics when it serves them.
         self.collectors: list[Collector] = []
@@ -110,6 +112,13 @@ class Handlers:
         """:meth:`take_after_commit` with each callback's event id (for the failure log)."""
         taken, self._after_commit = self._after_commit, []
         return [(event_id, callback) for event_id, callback in taken if event_id in applied]
+
+    def observe(self, name: str, stats: object,
+                names: Mapping[str, tuple[str, str]] | None = None) -> None:
+        """Export the counters of a stats dataclass the app's component keeps, as
+        ``outbox_consumer_<name>_<field>_total``; ``names`` maps fields to ``(name, help)``."""
+        self.observed[name] = stats
+        self.namings[name] = Naming(name, names or {})
 
     def on_stop(self, callback: Callable[[], None]) -> None:
         """Run ``callback`` when the consumer daemon stops, after its last batch (the run

@@ -3,7 +3,7 @@
 Three kinds, by what they cost:
 
 - Counters the consumer already keeps (:class:`ConsumerStats`, group hygiene, retention, the
-  app's own such as the run worker and sweeper through ``Handlers.observed``), read at scrape
+  app's own such as the run worker and sweeper through ``Handlers.observe``), read at scrape
   time (:class:`shared.metrics.StatsCollector`).
 - On the hot path: ``outbox_consumer_outcomes_total{group,type,outcome,reason}`` (counted per
   batch in a dict, then one ``inc`` per label set), the claim transaction's duration (one
@@ -73,22 +73,6 @@ CONSUMER_NAMES = {
 OUTCOME_FIELDS = frozenset({"applied", "duplicates", "superseded", "dead", "out_of_order",
                             "failed", "waiting"})
 
-WORKER_NAMES = {
-    "leased": ("leased", "Runs leased to this worker by a run event."),
-    "stages": ("stages", "Run stages executed."),
-    "completed": ("completed", "Runs completed."),
-    "asked": ("questions", "Questions asked by runs that then waited for input."),
-    "failed": ("failed", "Runs that failed."),
-    "lost": ("leases_lost", "Executions stopped because the run's lease expired or moved."),
-    "errors": ("errors", "Stages or checkpoints that raised unexpectedly (left to the sweeper)."),
-    "skipped": ("skipped", "Run events skipped without executing, by reason."),
-}
-SWEEPER_NAMES = {
-    "resumed": ("resumed", "Runs whose execution lease expired and that got a run.resume."),
-    "failed": ("failed", "Runs whose lease expired after run_max_attempts (failed)."),
-    "raced": ("raced", "Expired runs another sweeper (or the worker) handled first."),
-}
-
 HYGIENE_NAMES = {
     "consumers_removed": ("consumers_removed",
                           "Idle consumers with nothing pending removed from the group."),
@@ -108,10 +92,8 @@ KNOWN = {
     "stats": Naming("", CONSUMER_NAMES, OUTCOME_FIELDS),
     "hygiene_stats": Naming("hygiene", HYGIENE_NAMES),
     "prune_stats": Naming("prune", PRUNE_NAMES),
-    "run_worker": Naming("run_worker", WORKER_NAMES),
-    "run_sweeper": Naming("run_sweeper", SWEEPER_NAMES),
 }
-"""Stats dataclasses by attribute of the consumer (or key of ``Handlers.observed``); any
+"""Stats dataclasses by attribute of the consumer (or named by ``Handlers.observe``); any
 other one is exported too (:func:`shared.metrics.discover`)."""
 
 
@@ -182,7 +164,8 @@ class ConsumerMetrics:
 def _sources(consumer: Consumer) -> Iterable[Source]:
     yield from discover(consumer, KNOWN)
     for name, stats in list(consumer.handlers.observed.items()):
-        yield Source(functools.partial(_same, stats), KNOWN.get(name, Naming(name)))
+        naming = consumer.handlers.namings.get(name) or KNOWN.get(name, Naming(name))
+        yield Source(functools.partial(_same, stats), naming)
 
 
 def _same(value: object) -> object:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from outbox_relay.consumer.handlers import Handlers
 from outbox_relay.runs.agent import Agent
-from outbox_relay.runs.metrics import RunsCollector
+from outbox_relay.runs.metrics import SWEEPER_NAMES, WORKER_NAMES, RunsCollector
 from outbox_relay.runs.pipeline import Pipeline
 from outbox_relay.runs.settings import WorkerSettings
 from outbox_relay.runs.worker import start_worker
@@ -59,6 +59,7 @@ class Runs:
         registry.on_stop(sweeper.stop)
         atexit.register(worker.close)  # embedded without our daemon: at exit at the latest
         atexit.register(sweeper.stop)
-        registry.observed.update(run_worker=worker.stats, run_sweeper=sweeper.total)  # metrics
+        registry.observe("run_worker", worker.stats, WORKER_NAMES)  # the daemon's metrics
+        registry.observe("run_sweeper", sweeper.total, SWEEPER_NAMES)
         registry.collectors.append(RunsCollector(worker.engine, self.pipeline))
         return registry

@@ -22,6 +22,24 @@ from outbox_relay.shared.errors import OutboxError
 
 log = logging.getLogger(__name__)
 
+WORKER_NAMES = {
+    "leased": ("leased", "Runs leased to this worker by a run event."),
+    "stages": ("stages", "Run stages executed."),
+    "completed": ("completed", "Runs completed."),
+    "asked": ("questions", "Questions asked by runs that then waited for input."),
+    "failed": ("failed", "Runs that failed."),
+    "lost": ("leases_lost", "Executions stopped because the run's lease expired or moved."),
+    "errors": ("errors", "Stages or checkpoints that raised unexpectedly (left to the sweeper)."),
+    "skipped": ("skipped", "Run events skipped without executing, by reason."),
+}
+SWEEPER_NAMES = {
+    "resumed": ("resumed", "Runs whose execution lease expired and that got a run.resume."),
+    "failed": ("failed", "Runs whose lease expired after run_max_attempts (failed)."),
+    "raced": ("raced", "Expired runs another sweeper (or the worker) handled first."),
+}
+"""The run worker's and the sweeper's counters, exported by the consumer daemon that runs them
+as ``outbox_consumer_run_worker_<name>_total`` and ``outbox_consumer_run_sweeper_<name>_total``."""
+
 
 def runs_by_status(engine: Engine) -> dict[str, int]:
     """``{status: runs}`` for every status that has runs."""

@@ -32,7 +32,7 @@ from outbox_relay.producer import Producer
 from outbox_relay.relay.daemon import Relay
 from outbox_relay.relay.metrics import RelayMetrics
 from outbox_relay.runs import schema as runs_schema
-from outbox_relay.runs.metrics import RunsCollector
+from outbox_relay.runs.metrics import SWEEPER_NAMES, WORKER_NAMES, RunsCollector
 from outbox_relay.runs.sweeper import SweepStats
 from outbox_relay.runs.worker import WorkerStats
 from outbox_relay.shared import db, keys
@@ -109,7 +109,8 @@ def _consumer_series(engine: Engine, client: fakeredis.FakeRedis) -> Exported:
         """Nothing: only its duration histogram is wanted."""
 
     # What a Runs app (cli/demo_app.py) adds: its stats and the runs-by-status collector.
-    handlers.observed.update(run_worker=WorkerStats(), run_sweeper=SweepStats())
+    handlers.observe("run_worker", WorkerStats(), WORKER_NAMES)
+    handlers.observe("run_sweeper", SweepStats(), SWEEPER_NAMES)
     handlers.collectors.append(RunsCollector(engine, PIPELINE))
     consumer = Consumer(settings, engine, client, handlers)  # unfenced: reads every key
     for key in consumer.keys:
