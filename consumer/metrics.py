@@ -164,7 +164,7 @@ class ConsumerMetrics:
 def _sources(consumer: Consumer) -> Iterable[Source]:
     yield from discover(consumer, KNOWN)
     for name, stats in list(consumer.handlers.observed.items()):
-        naming = consumer.handlers.namings.get(name) or KNOWN.get(name, Naming(name))
+        naming = consumer.handlers.namings.get(name, Naming(name))
         yield Source(functools.partial(_same, stats), naming)
 
 

@@ -384,16 +384,15 @@ class RunStore:
             aggregate_id=run_id, revision=revision, data=None,
         )
 
-
     def _pipeline(self, what: str) -> Pipeline:
         if self.pipeline is None:
             raise InvalidTransitionError(f"this run store has no pipeline: it cannot {what}")
         return self.pipeline
 
-    def _resume_at(self, record: dict[str, Any]) -> str:
-        """Where an answered run goes on: recorded when it asked (the pipeline's next stage)."""
-        if self.pipeline is not None:
-            return self.pipeline.next_stage(str(record.get("asked_by")))
+    @staticmethod
+    def _resume_at(record: dict[str, Any]) -> str:
+        """Where an answered run goes on: recorded when it asked (the pipeline's next stage,
+        checked then by :func:`runs.pipeline.check_transition`)."""
         if "resume_at" not in record:
             raise CorruptRecordError("a waiting run does not say where it resumes (resume_at)")
         return str(record["resume_at"])

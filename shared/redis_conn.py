@@ -61,22 +61,24 @@ def sentinel_master(url: str, *, timeout_s: float = 5.0) -> redis.Redis:
                           "redis+sentinel://[user:password@]host[:port],…/service[/db]")
     try:
         parts = urlsplit(url)
-        hosts = parts.netloc.rpartition("@")[2]
         addresses = []
-        for item in hosts.split(","):
+        for item in parts.netloc.rpartition("@")[2].split(","):
             host, colon, port = item.strip().rpartition(":")
-            if not colon:
-                host, port = item.strip(), ""
-            addresses.append((host, int(port) if port else SENTINEL_PORT))
+            if not colon or host.endswith(":") or (item.strip().startswith("[")
+                                                   and not host.endswith("]")):
+                host, port = item.strip(), ""  # no port (an IPv6 address has colons of its own)
+            addresses.append((host.strip("[]"), int(port) if port else SENTINEL_PORT))
         path = [unquote(p) for p in parts.path.split("/") if p]
-        query = parse_qs(parts.query)
+        query = parse_qs(parts.query, strict_parsing=bool(parts.query))
     except ValueError:
         raise invalid from None
-    if not path or len(path) > 2 or not all(host for host, _ in addresses):
+    if (not 1 <= len(path) <= 2 or not all(host for host, _ in addresses)
+            or (len(path) == 2 and not path[1].isdigit())):
         raise invalid
-    service, db = path[0], int(path[1]) if len(path) == 2 and path[1].isdigit() else 0
-    if len(path) == 2 and not path[1].isdigit():
-        raise invalid
+    if unknown := sorted(set(query) - {"sentinel_password"}):
+        raise ConfigError(f"invalid Sentinel URL {redact_url(url)}: unknown parameter(s) "
+                          f"{', '.join(unknown)} (known: sentinel_password)")
+    service, db = path[0], int(path[1]) if len(path) == 2 else 0
     timeouts = {"socket_timeout": timeout_s, "socket_connect_timeout": min(timeout_s, 5.0)}
     sentinel_password = query.get("sentinel_password", [None])[0]
     sentinel = Sentinel(  # type: ignore[no-untyped-call]

@@ -183,3 +183,16 @@ def test_a_bad_sentinel_url_is_invalid_config_without_its_password(url: str) -> 
     with pytest.raises(ConfigError) as info:
         connect_redis(url.replace("://", "://u:hunter2@"))
     assert "hunter2" not in info.value.message and "service" in info.value.message
+
+
+def test_sentinel_url_parameters_and_hosts() -> None:
+    """A misspelt parameter is refused by name, never ignored; IPv6 hosts and default ports."""
+    with pytest.raises(ConfigError) as info:
+        connect_redis("redis+sentinel://u:hunter2@h/outbox?sentinel_pasword=s")
+    assert "sentinel_pasword" in info.value.message and "hunter2" not in info.value.message
+    client = connect_redis("redis+sentinel://[::1]:26380,[::1],h/outbox/3?sentinel_password=s")
+    pool = client.connection_pool
+    assert [(s.connection_pool.connection_kwargs["host"], s.connection_pool.connection_kwargs[
+        "port"]) for s in pool.sentinel_manager.sentinels] == [  # type: ignore[attr-defined]
+        ("::1", 26380), ("::1", 26379), ("h", 26379)]
+    assert pool.connection_kwargs["db"] == 3
