@@ -60,8 +60,10 @@ def cmd_relay(args: argparse.Namespace) -> int:
     settings = options.load_settings(RelaySettings, args)
     engine = db.make_engine(settings.database_url)
     until_available(lambda: db.check_schema(engine), "schema check", settings.startup_timeout_s)
-    relay = Relay(settings, engine, connect_redis(settings.redis_url,
-                                                  timeout_s=settings.redis_timeout_s))
+    client = until_available(  # a Redis Cluster client asks a node for the slot map at once
+        lambda: connect_redis(settings.redis_url, timeout_s=settings.redis_timeout_s),
+        "connecting to Redis", settings.startup_timeout_s)
+    relay = Relay(settings, engine, client)
     retention.register_relay(relay, settings)  # periodic task "retention"
     relay.install_signal_handlers()
     from outbox_relay.cli import observe  # here: prometheus_client is not every command's cost
@@ -82,7 +84,9 @@ def cmd_consume(args: argparse.Namespace) -> int:
     until_available(lambda: db.check_schema(engine), "schema check", patience)
     handlers = until_available(lambda: apps.load_handlers(app, settings), "start-up",
                                patience)
-    client = connect_redis(settings.redis_url, timeout_s=settings.redis_timeout_s)
+    client = until_available(
+        lambda: connect_redis(settings.redis_url, timeout_s=settings.redis_timeout_s),
+        "connecting to Redis", patience)
     consumer = Consumer(settings, engine, client, handlers, ownership=True)
     hygiene.install(consumer)  # periodic task "group hygiene"
     retention.register_consumer(consumer, settings)  # periodic task "retention"

@@ -8,7 +8,7 @@ import redis
 from sqlalchemy import Engine, func, select
 
 from outbox_relay.consumer import ownership
-from outbox_relay.shared import keys
+from outbox_relay.shared import keys, partition_counts
 from outbox_relay.shared.db import now_ms, translate_errors
 from outbox_relay.shared.redis_conn import translate_redis_errors
 from outbox_relay.shared.schema import outbox, relay_leases, stream_groups, stream_trims
@@ -42,7 +42,7 @@ def collect(engine: Engine, client: redis.Redis, prefix: str) -> dict[str, Any]:
                 .order_by(stream_groups.c.group_name)).all():
             missing.setdefault((r.stream, r.partition), []).append(r.group_name)
     consumer_leases = ownership.owners(engine)
-    streams = _streams(client, prefix)
+    streams = _streams(client, prefix, partition_counts.known_partitions(engine))
     for st in streams:  # relay/trim.py: everything below the floor was acknowledged and trimmed
         trim = trims.get((st["stream"], st["partition"]))
         st["trim_floor"] = trim.floor_entry_id if trim and trim.trimmed else None
@@ -84,12 +84,17 @@ def _relay_leases(engine: Engine) -> list[dict[str, Any]]:
     ]
 
 
-def _streams(client: redis.Redis, prefix: str) -> list[dict[str, Any]]:
+def _streams(
+    client: redis.Redis, prefix: str, known: set[tuple[str, int]]
+) -> list[dict[str, Any]]:
+    """Each partition stream the database knows (:func:`partition_counts.known_partitions`),
+    wherever it lives (on Redis Cluster, on its slot's master), and any other stream under
+    ``prefix`` that a ``SCAN`` of the Redis we are connected to finds (written by hand)."""
     out = []
     with translate_redis_errors():
-        found = sorted(
+        found = sorted({keys.stream_key(prefix, s, p) for s, p in known} | {
             k.decode() for k in client.scan_iter(match=keys.stream_key_pattern(prefix), count=1000)
-        )
+        })
         for key in found:
             parsed = keys.parse_stream_key(prefix, key)
             if parsed is None or client.type(key) != b"stream":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import random
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -11,7 +12,7 @@ from typing import Any
 import redis
 
 from outbox_relay.shared import keys
-from outbox_relay.shared.redis_conn import translate_redis_errors
+from outbox_relay.shared.redis_conn import is_cluster, translate_redis_errors
 
 log = logging.getLogger(__name__)
 
@@ -54,11 +55,18 @@ def read(
     block_ms: int | None,
 ) -> list[Entry]:
     """``XREADGROUP`` from ``{key: start}``: ``">"`` for new entries, an id for our own
-    pending entries after it (their delivery counters come from ``XPENDING``)."""
+    pending entries after it (their delivery counters come from ``XPENDING``).
+
+    On Redis Cluster each partition stream lives in its own slot, and one ``XREADGROUP`` may
+    not name two slots (``CROSSSLOT``): see :func:`_read_each`.
+    """
     with translate_redis_errors():
-        reply: Any = client.xreadgroup(
-            group, consumer, starts, count=count, block=block_ms  # type: ignore[arg-type]
-        )
+        if is_cluster(client) and len(starts) > 1:
+            reply: Any = _read_each(client, starts, group, consumer, count, block_ms)
+        else:
+            reply = client.xreadgroup(
+                group, consumer, starts, count=count, block=block_ms  # type: ignore[arg-type]
+            )
     entries = [
         Entry(text(key), text(entry_id), fields or None)
         for key, items in (reply or [])
@@ -68,6 +76,32 @@ def read(
     if pending and entries:
         return with_delivery_counts(client, group, consumer, entries)
     return entries
+
+
+CLUSTER_BLOCK_MS = 50
+"""On a cluster, the longest a read blocks on one partition stream while the others may get
+entries: the extra latency an entry can see when its stream was not the one blocked on."""
+
+
+def _read_each(
+    client: redis.Redis, starts: dict[str, str], group: str, consumer: str, count: int,
+    block_ms: int | None,
+) -> list[Any]:
+    """One ``XREADGROUP`` per partition stream, pipelined (the cluster client sends each to
+    the master of its slot); ``count`` applies per stream. When nothing came and the caller
+    would block, block on one stream, chosen at random, for at most :data:`CLUSTER_BLOCK_MS`
+    (a blocking read can wait on one slot only), so an entry on any stream is seen within
+    that time and one on the chosen stream at once."""
+    pipe = client.pipeline(transaction=False)
+    for key, start in starts.items():
+        pipe.xreadgroup(group, consumer, {key: start}, count=count)
+    replies: list[Any] = [item for reply in pipe.execute() for item in (reply or [])]
+    if replies or not block_ms:
+        return replies
+    key = random.choice(list(starts))
+    reply: Any = client.xreadgroup(group, consumer, {key: starts[key]}, count=count,
+                                   block=min(block_ms, CLUSTER_BLOCK_MS))
+    return list(reply or [])
 
 
 def with_delivery_counts(

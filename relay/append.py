@@ -33,7 +33,7 @@ from outbox_relay.relay.outgoing import OutboxRow
 from outbox_relay.shared import keys, tracing
 from outbox_relay.shared.envelope import encode_fields
 from outbox_relay.shared.errors import StreamBehindError, UnavailableError
-from outbox_relay.shared.redis_conn import translate_redis_errors
+from outbox_relay.shared.redis_conn import is_cluster, node_of, translate_redis_errors
 
 log = logging.getLogger(__name__)
 
@@ -228,9 +228,13 @@ def _call_args(
 
 
 def _run(client: redis.Redis, calls: list[tuple[Any, ...]]) -> list[Any]:
-    """``EVALSHA`` each call (one pipeline); load the script where Redis does not have it."""
-    if len(calls) == 1:
-        answers: list[Any] = [_evalsha(client, calls[0])]
+    """``EVALSHA`` each call (one pipeline); load the script where Redis does not have it.
+
+    On Redis Cluster the calls go one by one: redis-py's cluster pipeline refuses scripts, and
+    each call (one partition stream and its fence, one slot) is routed to its slot's master.
+    """
+    if len(calls) == 1 or is_cluster(client):
+        answers: list[Any] = [_evalsha(client, args) for args in calls]
     else:
         pipe = client.pipeline(transaction=False)
         for args in calls:
@@ -331,15 +335,23 @@ def error_code(answer: object) -> str:
 
 
 def durability_barrier(
-    client: redis.Redis, replicas: int, timeout_ms: int, aof: bool
+    client: redis.Redis, replicas: int, timeout_ms: int, aof: bool, written: list[str]
 ) -> bool:
-    """``WAIT`` / ``WAITAOF`` before marking; False when fewer copies than asked confirmed."""
+    """``WAIT`` / ``WAITAOF`` before marking; False when fewer copies than asked confirmed.
+
+    ``written``: the stream keys the batch wrote. On Redis Cluster the barrier goes to the
+    master of each (a master confirms only the writes it took); elsewhere to the one server.
+    """
     with translate_redis_errors():
-        if replicas > 0 and int(client.wait(replicas, timeout_ms)) < replicas:
-            return False
-        if aof:
-            reply = client.execute_command("WAITAOF", 1, replicas, timeout_ms)  # type: ignore[no-untyped-call]
-            local = reply[0]
-            if int(local) < 1:
+        nodes = {id(node): node for node in (node_of(client, key) for key in written)}
+        for node in nodes.values() or [None]:
+            target = {} if node is None else {"target_nodes": node}
+            if replicas > 0 and int(client.execute_command(  # type: ignore[no-untyped-call]
+                    "WAIT", replicas, timeout_ms, **target)) < replicas:
                 return False
+            if aof:
+                reply = client.execute_command(  # type: ignore[no-untyped-call]
+                    "WAITAOF", 1, replicas, timeout_ms, **target)
+                if int(reply[0]) < 1:
+                    return False
     return True

@@ -293,7 +293,8 @@ class Relay:
         if self.metrics is not None:
             self.metrics.appended(len(rows), verdicts, time.perf_counter() - started)
         confirmed = not verdicts.delivered or append.durability_barrier(
-            self.client, s.wait_replicas, s.wait_timeout_ms, s.wait_aof
+            self.client, s.wait_replicas, s.wait_timeout_ms, s.wait_aof,
+            sorted({keys.stream_key(s.key_prefix, r.stream, r.partition) for r in rows}),
         )
         return verdicts, confirmed
 

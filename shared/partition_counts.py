@@ -19,7 +19,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 
 from outbox_relay.shared.db import now_ms, translate_errors
 from outbox_relay.shared.errors import ConfigError
-from outbox_relay.shared.schema import streams
+from outbox_relay.shared.schema import consumer_leases, streams
 
 CHECK_INTERVAL_S = 30.0
 """How often the daemons compare their count with the recorded ones."""
@@ -68,3 +68,18 @@ def _refuse(recorded: list[tuple[str, int]], partitions: int, who: str) -> None:
             f"{partitions}, but the database records {listed} (set at the stream's first "
             "write; every producer, relay and consumer must use the same count)"
         )
+
+
+def known_partitions(engine: Engine) -> set[tuple[str, int]]:
+    """Every ``(stream, partition)`` the database knows: each recorded stream's partitions and
+    every partition stream a consumer group has leased (streams a foreign producer writes).
+
+    How operator commands find our streams without walking Redis's whole keyspace (``SCAN``
+    is one walk per master on Redis Cluster, and sees nothing of a master that is failing
+    over): the list does not depend on where a key lives."""
+    with translate_errors(), engine.connect() as conn:
+        recorded = conn.execute(select(streams.c.stream, streams.c.partitions)).all()
+        leased = conn.execute(
+            select(consumer_leases.c.stream, consumer_leases.c.partition).distinct()).all()
+    return ({(stream, p) for stream, count in recorded for p in range(count)}
+            | {(r.stream, r.partition) for r in leased})

@@ -17,6 +17,7 @@ from sqlalchemy import Engine, create_engine, text
 
 from outbox_relay.runs import schema as runs_schema
 from outbox_relay.shared import db
+from outbox_relay.shared.redis_conn import connect_redis
 
 REDIS_URL = os.environ.get("OUTBOX_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 PG_ADMIN_URL = os.environ.get(
@@ -38,7 +39,7 @@ def key_prefix() -> str:
 @pytest.fixture
 def redis_client(key_prefix: str) -> Iterator[redis.Redis]:
     """The real Redis; every key under this test's prefix is deleted afterwards."""
-    client = redis.Redis.from_url(REDIS_URL)
+    client = connect_redis(REDIS_URL)  # OUTBOX_TEST_REDIS_URL may name a Redis Cluster
     yield client
     for key in client.scan_iter(match=f"{key_prefix}:*", count=1000):
         client.delete(key)

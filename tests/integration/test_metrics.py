@@ -188,8 +188,8 @@ def test_scraped_numbers_match_the_database_and_redis(
             enqueue_events(engine, 40, aggregates=8, prefix="late")
             wait_until(lambda: undelivered(engine) == 0, what="the late events delivered")
             stream_keys = [keys.stream_key(key_prefix, STREAM, p) for p in range(PARTITIONS)]
-            redis_client.xreadgroup(GROUP, "someone", {stream_keys[0]: ">", stream_keys[1]: ">"},
-                                    count=3)
+            for key in stream_keys[:2]:  # one key per call: on a cluster they are two slots
+                redis_client.xreadgroup(GROUP, "someone", {key: ">"}, count=3)
             c = scrape(consumer_port.port)
             for p, key in enumerate(stream_keys):
                 summary: Any = redis_client.xpending(key, GROUP)

@@ -22,6 +22,7 @@ from outbox_relay.producer import Producer
 from outbox_relay.relay import entry_ids, store
 from outbox_relay.relay.daemon import Relay
 from outbox_relay.shared import keys
+from outbox_relay.shared.redis_conn import connect_redis
 from outbox_relay.shared.schema import inbox, outbox, stream_groups
 from outbox_relay.shared.settings import ConsumerSettings, RelaySettings
 from tests.conftest import REDIS_URL
@@ -292,7 +293,7 @@ def _consumer(engine: Engine, prefix: str, handlers: Handlers) -> Consumer:
         key_prefix=prefix, partitions=1, streams=STREAM, group="g", consumer="c1",
         block_ms=10,
     )
-    return Consumer(settings, engine, redis.Redis.from_url(REDIS_URL), handlers,
+    return Consumer(settings, engine, connect_redis(REDIS_URL), handlers,
                     ownership=True)
 
 
