@@ -7,7 +7,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: install demo test lint typecheck unit integration acceptance bench bench-quick torture torture-short soak soak-quick clean
+.PHONY: install demo test test-cluster lint typecheck unit integration acceptance bench bench-quick torture torture-short soak soak-quick clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,12 @@ typecheck: install
 
 test: lint typecheck
 	$(BIN)/pytest
+	$(MAKE) test-cluster
+
+# The integration suite again, against a local 3-master Redis Cluster (torture/with_cluster.py).
+test-cluster: install
+	$(BIN)/python -m torture.with_cluster $(BIN)/pytest -q tests/integration \
+		-k "not sentinel and not cluster"
 
 unit: install
 	$(BIN)/pytest tests/unit

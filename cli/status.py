@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 import redis
 from sqlalchemy import Engine, func, select
 
-from outbox_relay.consumer import ownership
+from outbox_relay.consumer import ownership, streams
 from outbox_relay.shared import keys, partition_counts
 from outbox_relay.shared.db import now_ms, translate_errors
-from outbox_relay.shared.redis_conn import translate_redis_errors
+from outbox_relay.shared.redis_conn import node_of, translate_redis_errors
 from outbox_relay.shared.schema import outbox, relay_leases, stream_groups, stream_trims
 
 
@@ -99,12 +100,13 @@ def _streams(
             parsed = keys.parse_stream_key(prefix, key)
             if parsed is None or client.type(key) != b"stream":
                 continue
+            newest: Any = client.xrevrange(key, count=1)
             groups = [
                 {
                     "name": g["name"].decode(),
                     "consumers": g["consumers"],
                     "pending": g["pending"],
-                    "lag": g.get("lag"),
+                    "lag": streams.unread(g, newest),
                     "last_delivered_id": g["last-delivered-id"].decode(),
                 }
                 for g in client.xinfo_groups(key)
@@ -117,6 +119,8 @@ def _streams(
                     "length": client.xlen(key),
                     "groups": groups,
                     "dead_letters": client.xlen(keys.dead_letter_key(prefix, *parsed)),
+                    # On Redis Cluster, the master holding the stream's slot (None elsewhere).
+                    "node": getattr(node_of(client, key), "name", None),
                 }
             )
     return out
@@ -144,6 +148,10 @@ def render(report: dict[str, Any]) -> str:
                          "(`outbox groups forget GROUP` if deleted on purpose)")
     if not report["streams"]:
         lines.append("(no streams yet)")
+    by_node = Counter(s["node"] for s in report["streams"] if s.get("node"))
+    if by_node:  # Redis Cluster: how the partition streams spread over the masters
+        lines.append("streams per cluster master: " + ", ".join(
+            f"{node} {n}" for node, n in sorted(by_node.items())))
     relays = report.get("relay_leases") or []
     if relays:
         lines.append("relay partitions: " + ", ".join(

@@ -35,6 +35,7 @@ from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from sqlalchemy import Connection
 
+from outbox_relay.consumer import streams
 from outbox_relay.consumer.handlers import Handler
 from outbox_relay.consumer.ordering import DEAD, DUPLICATE, Outcome
 from outbox_relay.shared import keys
@@ -204,8 +205,9 @@ class StreamsCollector(Collector):
                                    "Age of the oldest pending entry of the group, from its "
                                    "entry id's time (0 when none is pending).", labels=labels)
         lag = GaugeMetricFamily(f"{NAMESPACE}_group_lag",
-                                "Entries of the stream the group has not read yet (XINFO "
-                                "GROUPS lag; absent when Redis cannot tell).", labels=labels)
+                                "Entries of the stream the group has not read yet (0 once "
+                                "it read the newest entry, else XINFO GROUPS lag; absent when "
+                                "Redis cannot tell).", labels=labels)
         dead = GaugeMetricFamily(f"{NAMESPACE}_dead_letters",
                                  "Entries in the stream's dead-letter stream (XLEN).",
                                  labels=["stream", "partition"])
@@ -214,7 +216,8 @@ class StreamsCollector(Collector):
                                    "relay's trim once every group acknowledged them.",
                                    labels=["stream", "partition"])
         now = now_ms()
-        for key, (summary, groups, dead_len, stream_len) in zip(owned, replies, strict=True):
+        for key, (summary, groups, dead_len, stream_len, newest) in zip(owned, replies,
+                                                                         strict=True):
             stream, partition = c.leases.ids[key]
             values = [group, stream, str(partition)]
             if isinstance(summary, dict):
@@ -223,8 +226,10 @@ class StreamsCollector(Collector):
                 age_ms = now - _id_ms(first) if first else 0
                 oldest.add_metric(values, max(age_ms, 0) / 1000)
             found = _group_info(groups, group)
-            if found is not None and found.get("lag") is not None:
-                lag.add_metric(values, int(found["lag"]))
+            behind = None if found is None or not isinstance(newest, list) else \
+                streams.unread(found, newest)
+            if behind is not None:
+                lag.add_metric(values, behind)
             if isinstance(dead_len, int):
                 dead.add_metric([stream, str(partition)], dead_len)
             if isinstance(stream_len, int):
@@ -235,10 +240,10 @@ class StreamsCollector(Collector):
 
 def _stream_replies(
     consumer: Consumer, owned: list[str]
-) -> list[tuple[Any, Any, Any, Any]]:
+) -> list[tuple[Any, Any, Any, Any, Any]]:
     """Per owned key: (XPENDING summary, XINFO GROUPS, XLEN of its dead-letter stream, XLEN of
-    the stream), in one pipeline; a command Redis refused (no group yet) leaves its error in
-    place."""
+    the stream, its newest entry), in one pipeline; a command Redis refused (no group yet)
+    leaves its error in place."""
     if not owned:
         return []
     prefix, group = consumer.settings.key_prefix, consumer.settings.group
@@ -250,9 +255,11 @@ def _stream_replies(
             pipe.xinfo_groups(key)
             pipe.xlen(keys.dead_letter_key(prefix, stream, partition))
             pipe.xlen(key)
+            pipe.xrevrange(key, count=1)  # the newest entry: lag 0 once the group read it
         flat: list[Any] = pipe.execute(raise_on_error=False)
         _raise_unavailable(flat)
-    return [(flat[i], flat[i + 1], flat[i + 2], flat[i + 3]) for i in range(0, len(flat), 4)]
+    return [(flat[i], flat[i + 1], flat[i + 2], flat[i + 3], flat[i + 4])
+            for i in range(0, len(flat), 5)]
 
 
 def _raise_unavailable(replies: list[Any]) -> None:

@@ -1,5 +1,6 @@
 """``python -m torture [--database sqlite|postgresql|both] [--duration S] [--kills N]
-[--quick] [--run-worker] [--no-retention]``: run the harness, print the table, write the JSON
+[--quick] [--run-worker] [--no-retention] [--redis single|cluster|sentinel]
+[--wait-replicas N]``: run the harness, print the table, write the JSON
 report. ``python -m torture --soak [--quick] [--duration S] [--rate N]``: the soak instead
 (:mod:`torture.soak`)."""
 
@@ -15,8 +16,11 @@ from torture import soak
 from torture.harness import parse_args, run_one
 
 COLUMNS = (
-    ("database", "database"), ("fault_seconds", "fault s"), ("settle_seconds", "settle s"),
-    ("total_kills", "kills"), ("events", "events"), ("strict_events", "strict"),
+    ("database", "database"), ("redis", "redis"), ("wait_replicas", "wait"),
+    ("fault_seconds", "fault s"), ("settle_seconds", "settle s"),
+    ("total_kills", "kills"), ("failovers", "failovers"),
+    ("lacked_after_failover", "lacked at failover"), ("events", "events"),
+    ("strict_events", "strict"),
     ("handler_failures", "handler fails"), ("runs", "runs"),
     ("runs_not_terminal", "open runs"), ("lost", "lost"),
     ("duplicate_entries", "dup entries"), ("duplicate_effects", "dup effects"),

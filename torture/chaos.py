@@ -10,10 +10,10 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import redis
 from sqlalchemy import Engine, text
 
-from torture.procs import Child, RedisServer
+from torture.brokers import Broker
+from torture.procs import Child
 
 log = logging.getLogger("torture")
 
@@ -23,7 +23,6 @@ POINTS_BY_KIND: dict[str, tuple[str, ...]] = {
     "consumer": ("consumer.after_commit", "consumer.after_ack"),
     "worker": ("worker.mid_stage", "worker.after_checkpoint"),
 }
-BROKER_FAULTS = ("redis.kill_persistent", "redis.restart_empty", "redis.stall")
 DB_FAULT = "db.terminate_backends"
 
 
@@ -65,14 +64,14 @@ class Chaos:
         self,
         plan: Plan,
         children: list[Child],
-        redis_server: RedisServer,
+        broker: Broker,
         *,
         seed: int,
         terminate_backends: Callable[[], int] | None,
     ) -> None:
         self.plan = plan
         self.children = children
-        self.redis = redis_server
+        self.broker = broker
         self.rng = random.Random(seed)
         self.terminate_backends = terminate_backends
         self.tally = Tally()
@@ -113,7 +112,8 @@ class Chaos:
                 self._random_kill()
                 next_random = now + self.rng.expovariate(1 / self.plan.random_kill_every_s)
             if now >= next_broker:
-                if self._broker_fault(BROKER_FAULTS[broker_i % len(BROKER_FAULTS)]):
+                faults = self.broker.faults
+                if self._broker_fault(faults[broker_i % len(faults)]):
                     broker_i += 1
                     next_broker = time.monotonic() + self.plan.broker_every_s
                 else:  # nothing to lose yet: try again soon
@@ -129,7 +129,7 @@ class Chaos:
         if elapsed >= self.plan.max_s:
             return True
         covered = bool(all(self.tally.kills[p] for p in self.points) and all(
-            self.tally.faults[f] for f in BROKER_FAULTS
+            self.tally.faults[f] for f in self.broker.faults
         ) and (self.terminate_backends is None or self.tally.faults[DB_FAULT]))
         return (
             elapsed >= self.plan.duration_s
@@ -170,33 +170,12 @@ class Chaos:
             victim.start(self.arm(victim))
 
     def _broker_fault(self, fault: str) -> bool:
-        """Inflict ``fault``; False (nothing done) for an empty restart while Redis holds no
-        stream entry yet, since losing nothing would prove nothing about the repair."""
-        if fault == "redis.restart_empty" and not self._stream_entries():
+        """Inflict ``fault`` (:meth:`torture.brokers.Broker.inflict`); False if nothing was
+        done (try again soon)."""
+        if not self.broker.inflict(fault, self.rng):
             return False
-        log.info("broker fault: %s", fault)
-        if fault == "redis.kill_persistent":
-            self.redis.kill()
-            self.redis.start()
-        elif fault == "redis.restart_empty":
-            self.redis.kill()
-            self.redis.start(wipe=True)
-        else:
-            self.redis.pause()
-            time.sleep(self.rng.uniform(*self.plan.stall_s))
-            self.redis.resume()
         self.tally.faults[fault] += 1
         return True
-
-    def _stream_entries(self) -> int:
-        """Entries in every stream of the harness's Redis (0 if it does not answer)."""
-        client = self.redis.client()
-        try:
-            return sum(int(client.xlen(k)) for k in client.scan_iter(_type="STREAM"))
-        except (redis.ConnectionError, redis.TimeoutError):
-            return 0
-        finally:
-            client.close()
 
 
 def terminate_backends_by_app_name(admin: Engine, application_name: str) -> Callable[[], int]:

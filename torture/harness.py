@@ -38,8 +38,15 @@ from outbox_relay.shared import db, keys
 from outbox_relay.shared.schema import outbox
 from outbox_relay.shared.settings import parse_duration
 from torture import app, check, ledger
+from torture.brokers import (
+    Broker,
+    ClusterRedis,
+    SentinelRedis,
+    SingleRedis,
+    lacked_entries,
+)
 from torture.chaos import Chaos, Plan, terminate_backends_by_app_name
-from torture.procs import Child, RedisServer, base_env, outbox_argv
+from torture.procs import Child, base_env, outbox_argv
 
 log = logging.getLogger("torture")
 
@@ -99,6 +106,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-retention", dest="retention", action="store_false",
                    help="run without stream trimming and pruning (default: aggressive "
                    "retention, see AGGRESSIVE)")
+    p.add_argument("--redis", choices=("single", "cluster", "sentinel"), default="single",
+                   help="the Redis under fault: one server (kills, empty restarts, stalls), a "
+                   "3-master Redis Cluster or a Sentinel set (failovers, stalls); see "
+                   "torture/brokers.py")
+    p.add_argument("--wait-replicas", type=int, default=0,
+                   help="OUTBOX_WAIT_REPLICAS of the relays (cluster/sentinel): with 1, no entry "
+                   "marked delivered may be missing from a promoted replica")
     p.add_argument("--soak", action="store_true",
                    help="soak instead of torture: no faults, a steady --rate for --duration "
                    "seconds, table sizes and stream lengths sampled (torture/soak.py)")
@@ -159,9 +173,11 @@ def database(kind: str, workdir: Path, pg_url: str, tag: str, keep: bool) -> Ite
         admin.dispose()
 
 
-def children(env: dict[str, str], log_dir: Path, seed: int, workers: bool) -> list[Child]:
+def children(env: dict[str, str], log_dir: Path, seed: int, workers: bool,
+             wait_replicas: int = 0) -> list[Child]:
     relay_env = {"OUTBOX_LEASE_TTL_MS": "5000", "OUTBOX_BATCH_SIZE": "50",
-                 "OUTBOX_REDIS_TIMEOUT_S": "1.0", "OUTBOX_POLL_MAX_MS": "200"}
+                 "OUTBOX_REDIS_TIMEOUT_S": "1.0", "OUTBOX_POLL_MAX_MS": "200",
+                 "OUTBOX_WAIT_REPLICAS": str(wait_replicas), "OUTBOX_WAIT_TIMEOUT_MS": "500"}
     consumer_env = {"OUTBOX_GROUP": GROUP, "OUTBOX_STREAMS": ",".join(STREAMS),
                     "OUTBOX_BLOCK_MS": "200", "OUTBOX_REDIS_TIMEOUT_S": "1.5",
                     "OUTBOX_CLAIM_IDLE_MS": "3000", "OUTBOX_CLAIM_INTERVAL_MS": "1000",
@@ -203,7 +219,7 @@ def runs_open(engine: Engine, workers: bool) -> int:
     return int(active) + ledger.unreceived(engine, WORKER_GROUP, RUNS_STREAM)
 
 
-def settled(engine: Engine, server: RedisServer, prefix: str, workers: bool,
+def settled(engine: Engine, client: Any, prefix: str, workers: bool,
             streams: tuple[str, ...] = STREAMS) -> bool:
     """Nothing undelivered, every event of the ledger received by the group (pruned receipts
     count), nothing pending or unread."""
@@ -213,7 +229,6 @@ def settled(engine: Engine, server: RedisServer, prefix: str, workers: bool,
         ).scalar_one()
     if undelivered or ledger.unreceived(engine, GROUP) or runs_open(engine, workers):
         return False
-    client = server.client()
     stream_keys = [keys.stream_key(prefix, s, p) for s in streams for p in range(PARTITIONS)]
     return not any(check.pending_total(client, k) or check.lag_total(client, k)
                    for k in stream_keys)
@@ -236,9 +251,9 @@ def run_one(kind: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
     tag = uuid.uuid4().hex[:10]
     workdir = Path(tempfile.mkdtemp(prefix=f"outbox-torture-{kind}-"))
     (workdir / "logs").mkdir()
-    server = RedisServer(workdir / "redis")
-    server.start()
     kids: list[Child] = []
+    plan = make_plan(args)
+    server: Broker | None = None
     try:
         with database(kind, workdir, args.pg_url, tag, args.keep) as url:
             # The harness's own sessions carry another application_name: never terminated.
@@ -247,17 +262,18 @@ def run_one(kind: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
             app.create_tables(engine)
             ledger.install(engine)
             prefix = f"torture{tag}"
+            server = broker(args.redis, workdir / "redis", engine, prefix, plan)
             env = {**base_env(), "OUTBOX_DATABASE_URL": url, "OUTBOX_REDIS_URL": server.url,
                    "OUTBOX_KEY_PREFIX": prefix, "OUTBOX_PARTITIONS": str(PARTITIONS),
                    "OUTBOX_LOG_LEVEL": "WARNING", "TORTURE_RATE": str(args.rate),
                    "TORTURE_WRITERS": str(args.writers), "TORTURE_HOLD_MS": str(args.hold_ms),
                    **retention_env(args.retention)}
-            kids = children(env, workdir / "logs", seed, args.run_worker)
+            kids = children(env, workdir / "logs", seed, args.run_worker, args.wait_replicas)
             terminate = None
             if kind == "postgresql":
                 admin = create_engine(args.pg_url)
                 terminate = terminate_backends_by_app_name(admin, f"outbox-torture_{tag}")
-            chaos = Chaos(make_plan(args), kids, server, seed=seed, terminate_backends=terminate)
+            chaos = Chaos(plan, kids, server, seed=seed, terminate_backends=terminate)
             started = time.monotonic()
             log.info("%s: faults start (work dir %s)", kind, workdir)
             tally = chaos.run()
@@ -273,7 +289,8 @@ def run_one(kind: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
     finally:
         for child in kids:
             child.stop()
-        server.stop()
+        if server is not None:
+            server.stop()
     repaired = sum(c.repaired_entries() for c in kids if c.kind == "relay")
     # The consumers log each failed handler call at WARNING, ending with its exception's name
     # (its traceback follows, naming it again: not counted).
@@ -285,6 +302,11 @@ def run_one(kind: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
     violations += [f"unexpected_exit:{e}" for e in tally.unexpected_exits]
     if settle_s is None:
         violations.append("did_not_settle")
+    assert server is not None
+    failovers = server.failovers
+    lacked = sum(failovers.lacked)
+    if args.wait_replicas > 0 and lacked:  # WAIT: a promoted replica holds every marked entry
+        violations.append(f"marked_entries_missing_after_failover:{lacked}")
     report = {
         "database": kind, "seed": seed, "run_worker": args.run_worker,
         "fault_seconds": round(fault_s, 1),
@@ -292,6 +314,9 @@ def run_one(kind: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
         "kills": dict(sorted(tally.kills.items())), "total_kills": tally.total_kills(),
         "infra_faults": dict(sorted(tally.faults.items())), "repaired_entries": repaired,
         "handler_failures": handler_failures,
+        "redis": args.redis, "wait_replicas": args.wait_replicas,
+        "failovers": failovers.failovers, "lacked_after_failover": lacked,
+        "lacked_per_failover": failovers.lacked, "failovers_unmeasured": failovers.unmeasured,
         "unavailable_exits": dict(sorted(tally.unavailable_exits.items())),
         "retention": {"settings": retention_env(args.retention), **retained},
         **verdict.as_dict(), "violations": violations,
@@ -303,8 +328,30 @@ def run_one(kind: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
     return report
 
 
+def broker(mode: str, workdir: Path, engine: Engine, prefix: str, plan: Plan) -> Broker:
+    """The Redis of one run (torture/brokers.py), measuring failovers against the ledger."""
+    if mode == "single":
+        return SingleRedis(workdir, plan.stall_s)
+    stream_keys = [keys.stream_key(prefix, s, p) for s in STREAMS for p in range(PARTITIONS)]
+
+    def delivered(wanted: list[str]) -> dict[str, list[str]]:
+        """Entry ids the ledger has as marked delivered, per stream key of ``wanted``."""
+        out: dict[str, list[str]] = {}
+        with engine.connect() as conn:
+            for row in conn.execute(select(ledger.events.c.stream, ledger.events.c.partition,
+                                           ledger.events.c.entry_id).where(
+                    ledger.events.c.delivered_at_ms.is_not(None))):
+                key = keys.stream_key(prefix, row.stream, row.partition)
+                if key in wanted:
+                    out.setdefault(key, []).append(row.entry_id)
+        return out
+
+    kind = ClusterRedis if mode == "cluster" else SentinelRedis
+    return kind(workdir, stream_keys, lacked_entries(delivered))
+
+
 def _settle(
-    kids: list[Child], engine: Engine, server: RedisServer, prefix: str, unexpected: list[str],
+    kids: list[Child], engine: Engine, server: Broker, prefix: str, unexpected: list[str],
     workers: bool,
 ) -> float | None:
     """Stop the load, restart every daemon unarmed, wait until the system is quiet."""
@@ -320,7 +367,7 @@ def _settle(
             if child.kind != "producer" and not child.alive():
                 unexpected.append(f"{child.name}#{child.incarnation}: exit {child.returncode()}")
                 child.start("")
-        if settled(engine, server, prefix, workers):
+        if settled(engine, server.client(), prefix, workers):
             elapsed = time.monotonic() - started
             for child in kids:
                 code = child.stop()

@@ -238,7 +238,7 @@ def _drain(kids: list[Child], engine: Engine, server: RedisServer, prefix: str) 
     """Seconds until everything enqueued was delivered and received (None: not in 300 s)."""
     started = time.monotonic()
     while time.monotonic() - started < 300:
-        if harness.settled(engine, server, prefix, False, STREAMS):
+        if harness.settled(engine, server.client(), prefix, False, STREAMS):
             return time.monotonic() - started
         time.sleep(0.5)
     return None

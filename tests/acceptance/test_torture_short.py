@@ -23,7 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from torture.chaos import BROKER_FAULTS, DB_FAULT, POINTS_BY_KIND
+from torture.brokers import SINGLE_FAULTS
+from torture.chaos import DB_FAULT, POINTS_BY_KIND
 
 pytestmark = [pytest.mark.acceptance, pytest.mark.timeout(400)]
 
@@ -56,7 +57,7 @@ def test_quick_torture_on_both_databases_loses_duplicates_and_reorders_nothing(
         for kind in KILLED_KINDS:
             for point in POINTS_BY_KIND[kind]:
                 assert run["kills"].get(point, 0) >= 1, (run["database"], point)
-        for fault in BROKER_FAULTS:
+        for fault in SINGLE_FAULTS:
             assert run["infra_faults"].get(fault, 0) >= 1
         assert run["repaired_entries"] > 0  # the empty restart lost data and it came back
         retained = run["retention"]

@@ -10,10 +10,7 @@ failover, before any repair could refill anything.
 from __future__ import annotations
 
 import contextlib
-import shutil
-import subprocess
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -34,95 +31,25 @@ from tests.helpers import (
     create_effects,
     effect_counts,
     enqueue_events,
-    free_port,
     outbox_rows,
     record_effect,
     relay_settings,
     wait_until,
 )
+from torture.redis_sets import LocalSentinelSet, TopologyUnsupported
 
 pytestmark = pytest.mark.integration
 
-SERVICE = "outboxmaster"
-
-
-@dataclass
-class SentinelSet:
-    master_port: int
-    replica_port: int
-    sentinel_ports: list[int]
-    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
-
-    @property
-    def url(self) -> str:
-        hosts = ",".join(f"127.0.0.1:{p}" for p in self.sentinel_ports)
-        return f"redis+sentinel://{hosts}/{SERVICE}/0"
-
-    def sentinel(self, i: int = 0) -> redis.Redis:
-        return redis.Redis(port=self.sentinel_ports[i], socket_timeout=2)
-
-    def master_port_now(self) -> int:
-        _host, port = self.sentinel().execute_command(
-            "SENTINEL", "GET-MASTER-ADDR-BY-NAME", SERVICE)
-        return int(port)
-
-
-def _start(cmd: list[str], sset: SentinelSet) -> None:
-    sset.procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL,
-                                       stderr=subprocess.DEVNULL))
-
-
-def _answers(port: int) -> bool:
-    try:
-        return bool(redis.Redis(port=port, socket_timeout=1).ping())
-    except redis.RedisError:
-        return False
-
-
 @pytest.fixture
-def sentinel_set(tmp_path: Path) -> Iterator[SentinelSet]:
-    binary = shutil.which("redis-server")
-    if binary is None:
-        pytest.skip("no redis-server binary")
-    sset = SentinelSet(free_port(), free_port(), [free_port() for _ in range(3)])
+def sentinel_set(tmp_path: Path) -> Iterator[LocalSentinelSet]:
     try:
-        for name, port, extra in (("master", sset.master_port, []),
-                                  ("replica", sset.replica_port,
-                                   ["--replicaof", "127.0.0.1", str(sset.master_port)])):
-            (tmp_path / name).mkdir()
-            _start([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                    "--appendonly", "no", "--dir", str(tmp_path / name), *extra], sset)
-        for i, port in enumerate(sset.sentinel_ports):
-            folder = tmp_path / f"sentinel{i}"
-            folder.mkdir()
-            (folder / "sentinel.conf").write_text("\n".join([
-                f"port {port}", "bind 127.0.0.1", f"dir {folder}",
-                f"sentinel monitor {SERVICE} 127.0.0.1 {sset.master_port} 2",
-                f"sentinel down-after-milliseconds {SERVICE} 2000",
-                f"sentinel failover-timeout {SERVICE} 5000",
-            ]) + "\n")
-            _start([binary, str(folder / "sentinel.conf"), "--sentinel"], sset)
-        for port in (sset.master_port, sset.replica_port, *sset.sentinel_ports):
-            wait_until(lambda p=port: _answers(p), timeout=15, what=f"redis on {port}")
-
-        def replica_known() -> bool:
-            info = redis.Redis(port=sset.replica_port).info("replication")
-            return (info.get("master_link_status") == "up"
-                    and all(len(sset.sentinel(i).execute_command("SENTINEL", "REPLICAS",
-                                                                 SERVICE)) == 1
-                            for i in range(3)))
-
-        wait_until(replica_known, timeout=40, what="the sentinels to know the replica")
+        sset = LocalSentinelSet(tmp_path).start()
+    except TopologyUnsupported as err:
+        pytest.skip(str(err))
+    try:
         yield sset
     finally:
-        for proc in sset.procs:
-            proc.terminate()
-        for proc in sset.procs:
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        sset.stop()
 
 
 def _stream_lengths(port: int, prefix: str) -> int:
@@ -131,7 +58,7 @@ def _stream_lengths(port: int, prefix: str) -> int:
 
 
 def test_a_sentinel_failover_loses_nothing_and_applies_nothing_twice(
-    engine: Engine, sentinel_set: SentinelSet, key_prefix: str,
+    engine: Engine, sentinel_set: LocalSentinelSet, key_prefix: str,
 ) -> None:
     url = sentinel_set.url
     create_effects(engine)
@@ -159,7 +86,8 @@ def test_a_sentinel_failover_loses_nothing_and_applies_nothing_twice(
     consume_until(20)
     assert _stream_lengths(sentinel_set.master_port, key_prefix) == 20
 
-    sentinel_set.sentinel().execute_command("SENTINEL", "FAILOVER", SERVICE)
+    sentinel_set.sentinel().execute_command(  # type: ignore[no-untyped-call]
+        "SENTINEL", "FAILOVER", sentinel_set.service)
     wait_until(lambda: sentinel_set.master_port_now() == sentinel_set.replica_port,
                timeout=30, what="the replica promoted")
     # WAIT 1 before marking: the promoted replica has every entry the outbox calls delivered.

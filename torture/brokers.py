@@ -1,0 +1,271 @@
+"""The Redis the torture breaks: one server, a Redis Cluster, or a Sentinel set.
+
+Each broker starts its topology, gives the daemons its URL and the harness a client, and
+inflicts its faults when the chaos loop asks (:meth:`Broker.inflict`):
+
+- :class:`SingleRedis` (``--redis single``): ``redis.kill_persistent`` (SIGKILL, restart from
+  its AOF), ``redis.restart_empty`` (restart with nothing) and ``redis.stall`` (SIGSTOP).
+- :class:`ClusterRedis` (``--redis cluster``: 3 masters, 1 replica each, AOF) and
+  :class:`SentinelRedis` (``--redis sentinel``: 1 master, 1 replica, 3 Sentinels):
+  ``redis.failover`` and ``redis.stall`` (a master stopped for less than the failure timeout).
+
+A failover first cuts the replica off its master's replication stream for a random 1-2.5 s
+(:meth:`LocalCluster.cut_off`) while the load goes on, then kills the master: the replica is
+promoted without what the master took meanwhile. Right after the kill, while the replica is
+still a replica (checked: otherwise the measurement is dropped and counted as unmeasured), the
+harness counts the entries the outbox had marked delivered on that master's streams that the
+replica does not hold (:data:`Measure`). An entry the replica lacks has an id above the
+replica's ``last-generated-id`` (replication is ordered, and the relay's ids only grow), so
+trimmed entries are never mistaken for lost ones. With ``OUTBOX_WAIT_REPLICAS=1`` the relay
+marks nothing a replica has not confirmed, so that count must be 0 (the check makes any other
+count a violation); without it the count is usually above 0, and the relay's repair must
+refill every such entry (the final check finds nothing lost). The killed master is restarted
+and rejoins as a replica of the promoted one before the next fault.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import redis
+
+from outbox_relay.shared.redis_conn import connect_redis
+from torture.procs import RedisServer
+from torture.redis_sets import LocalCluster, LocalSentinelSet, node_client
+
+log = logging.getLogger("torture")
+
+SINGLE_FAULTS = ("redis.kill_persistent", "redis.restart_empty", "redis.stall")
+REPLICATED_FAULTS = ("redis.failover", "redis.stall")
+CUT_OFF_S = (1.0, 2.5)  # below the 3 s failure timeout: the replica must stay electable
+NODE_TIMEOUT_MS = 3_000
+STALL_S = (0.5, 1.5)  # well below the failure timeout: a stall is not a failover
+
+Measure = Callable[[redis.Redis, list[str]], int]
+"""``measure(replica client, stream keys of the killed master)``: how many entries the outbox
+had marked delivered on those streams that the replica lacks (see the module docstring)."""
+
+
+@dataclass
+class FailoverTally:
+    """What the failovers did: how many, and what the promoted replicas lacked."""
+
+    failovers: int = 0
+    lacked: list[int] = field(default_factory=list)  # per measured failover
+    unmeasured: int = 0  # the replica was promoted before the measurement finished
+
+
+class Broker(Protocol):
+    """What the chaos loop and the harness need of the Redis under test."""
+
+    url: str
+    faults: tuple[str, ...]
+    failovers: FailoverTally
+
+    def client(self) -> redis.Redis: ...
+
+    def inflict(self, fault: str, rng: random.Random) -> bool: ...
+
+    def resume(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+class SingleRedis:
+    """One ``redis-server`` with AOF (:class:`torture.procs.RedisServer`)."""
+
+    faults: tuple[str, ...] = SINGLE_FAULTS
+
+    def __init__(self, workdir: Path, stall_s: tuple[float, float] = (1.0, 3.0)) -> None:
+        self.server = RedisServer(workdir)
+        self.server.start()
+        self.url = self.server.url
+        self.stall_s = stall_s
+        self.failovers = FailoverTally()
+
+    def client(self) -> redis.Redis:
+        return self.server.client()
+
+    def inflict(self, fault: str, rng: random.Random) -> bool:
+        """False (nothing done) for an empty restart while Redis holds no stream entry yet:
+        losing nothing would prove nothing about the repair."""
+        if fault == "redis.restart_empty" and not self._stream_entries():
+            return False
+        log.info("broker fault: %s", fault)
+        if fault == "redis.kill_persistent":
+            self.server.kill()
+            self.server.start()
+        elif fault == "redis.restart_empty":
+            self.server.kill()
+            self.server.start(wipe=True)
+        else:
+            self.server.pause()
+            time.sleep(rng.uniform(*self.stall_s))  # the stall itself, not a wait
+            self.server.resume()
+        return True
+
+    def _stream_entries(self) -> int:
+        client = self.server.client()
+        try:
+            return sum(int(client.xlen(k)) for k in client.scan_iter(_type="STREAM"))
+        except (redis.ConnectionError, redis.TimeoutError):
+            return 0
+        finally:
+            client.close()
+
+    def resume(self) -> None:
+        self.server.resume()
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
+class ClusterRedis:
+    """A local Redis Cluster (3 masters with a replica each, AOF) under fault."""
+
+    faults: tuple[str, ...] = REPLICATED_FAULTS
+
+    def __init__(self, workdir: Path, stream_keys: list[str], measure: Measure) -> None:
+        self.cluster = LocalCluster(workdir, masters=3, replicas=1, appendonly=True,
+                                    node_timeout_ms=NODE_TIMEOUT_MS).start()
+        self.url = self.cluster.url  # the first masters; any live node is enough to connect
+        self.stream_keys = stream_keys
+        self.measure = measure
+        self.failovers = FailoverTally()
+        self._paused: int | None = None
+        self._client: redis.Redis | None = None
+
+    def client(self) -> redis.Redis:
+        """One cluster client, kept (it follows failovers on its own)."""
+        if self._client is None:
+            self._client = connect_redis(self.cluster.url, timeout_s=5)
+        return self._client
+
+    def inflict(self, fault: str, rng: random.Random) -> bool:
+        master = rng.choice(self.cluster.master_ports())
+        log.info("broker fault: %s of the master on %d", fault, master)
+        if fault == "redis.stall":
+            self._paused = master
+            self.cluster.pause(master)
+            time.sleep(rng.uniform(*STALL_S))  # the stall itself, not a wait
+            self.cluster.resume(master)
+            self._paused = None
+            return True
+        keys = [k for k in self.stream_keys if self.cluster.master_of(k) == master]
+        replica = self.cluster.replica_of(master)
+        self.cluster.cut_off(replica)
+        time.sleep(rng.uniform(*CUT_OFF_S))  # writes the replica will never see
+        self.cluster.kill(master)
+        self.cluster.resume(replica)
+        self._measure(replica, keys)
+        self.cluster.wait_failover(master, replica, timeout=60)
+        self.cluster.restart(master)  # rejoins as a replica of the promoted one
+        self.cluster.wait_ready(timeout=60)
+        self.failovers.failovers += 1
+        return True
+
+    def _measure(self, replica: int, keys: list[str]) -> None:
+        with self.cluster.client(replica, readonly=True) as client:
+            lacked = self.measure(client, keys)
+            still_replica = client.info("replication").get("role") == "slave"
+        if still_replica:
+            self.failovers.lacked.append(lacked)
+        else:
+            self.failovers.unmeasured += 1
+
+    def resume(self) -> None:
+        if self._paused is not None:
+            self.cluster.resume(self._paused)
+
+    def stop(self) -> None:
+        self.cluster.stop()
+
+
+class SentinelRedis:
+    """A local Sentinel set (1 master, 1 replica, 3 Sentinels) under fault."""
+
+    faults: tuple[str, ...] = REPLICATED_FAULTS
+
+    def __init__(self, workdir: Path, stream_keys: list[str], measure: Measure) -> None:
+        self.set = LocalSentinelSet(workdir, down_after_ms=NODE_TIMEOUT_MS).start()
+        self.url = self.set.url
+        self.stream_keys = stream_keys
+        self.measure = measure
+        self.failovers = FailoverTally()
+        self._paused: int | None = None
+        self._client: redis.Redis | None = None
+
+    def client(self) -> redis.Redis:
+        """One client of the current master, kept (it asks the Sentinels on reconnect)."""
+        if self._client is None:
+            self._client = connect_redis(self.url, timeout_s=5)
+        return self._client
+
+    def inflict(self, fault: str, rng: random.Random) -> bool:
+        master = self.set.master_port_now()
+        replica = self.set.replica_port if master == self.set.master_port else \
+            self.set.master_port
+        log.info("broker fault: %s of the master on %d", fault, master)
+        if fault == "redis.stall":
+            self._paused = master
+            self.set.pause(master)
+            time.sleep(rng.uniform(*STALL_S))  # the stall itself, not a wait
+            self.set.resume(master)
+            self._paused = None
+            return True
+        self.set.cut_off(replica)
+        time.sleep(rng.uniform(*CUT_OFF_S))  # writes the replica will never see
+        self.set.kill(master)
+        self.set.resume(replica)
+        with node_client(replica) as client:
+            lacked = self.measure(client, self.stream_keys)
+            still_replica = client.info("replication").get("role") == "slave"
+        if still_replica:
+            self.failovers.lacked.append(lacked)
+        else:
+            self.failovers.unmeasured += 1
+        self.set.wait_promoted(replica, timeout=60)
+        self.set.restart(master)  # the Sentinels make it a replica of the promoted one
+        self.set.wait_replica_linked(master, timeout=60)
+        self.failovers.failovers += 1
+        return True
+
+    def resume(self) -> None:
+        if self._paused is not None:
+            self.set.resume(self._paused)
+
+    def stop(self) -> None:
+        self.set.stop()
+
+
+def lacked_entries(delivered: Callable[[list[str]], dict[str, list[str]]]) -> Measure:
+    """A :data:`Measure`: of the entry ids the outbox marked delivered on the given streams
+    (``delivered(keys)``, read from the torture's ledger when called), those above the
+    replica's ``last-generated-id`` of their stream."""
+    from outbox_relay.relay import entry_ids
+
+    def measure(client: redis.Redis, keys: list[str]) -> int:
+        marked = delivered(keys)
+        lacked = 0
+        for key in keys:
+            try:
+                raw = client.xinfo_stream(key)["last-generated-id"]
+                top = raw.decode() if isinstance(raw, bytes) else str(raw)
+            except redis.ResponseError as err:
+                if "no such key" not in str(err).lower():
+                    raise  # MOVED and the like: the measurement would be wrong
+                top = "0-0"  # the replica holds nothing of this stream
+            missing = sum(1 for i in marked.get(key, []) if entry_ids.greater(i, top))
+            newest = max(marked.get(key, ["0-0"]), key=entry_ids.parse)
+            log.info("failover: %s: replica's last id %s, newest marked %s, %d marked missing",
+                     key, top, newest, missing)
+            lacked += missing
+        return lacked
+
+    return measure
