@@ -53,8 +53,17 @@ bench-quick: install
 # Crash-safety proof: >= 1000 kills per database plus broker and database faults, with stream
 # trimming and pruning running (aggressive retention; --no-retention turns it off);
 # the report is printed and written to torture/out/report.json.
+# Then failovers (torture/brokers.py): a 3-master Redis Cluster with WAIT (nothing marked may be
+# missing from a promoted replica) and without (repair puts back what it lacked), and a Sentinel
+# set without WAIT; each report in torture/out/.
 torture: install
 	$(BIN)/python -m torture --database both --run-worker --kills 1000 --duration 120
+	$(BIN)/python -m torture --database both --redis cluster --wait-replicas 1 --kills 150 \
+		--duration 120 --out torture/out/cluster-wait.json
+	$(BIN)/python -m torture --database both --redis cluster --kills 150 --duration 120 \
+		--out torture/out/cluster.json
+	$(BIN)/python -m torture --database both --redis sentinel --kills 150 --duration 120 \
+		--out torture/out/sentinel.json
 
 torture-short: install
 	$(BIN)/python -m torture --quick --database both --run-worker

@@ -9,18 +9,20 @@ inflicts its faults when the chaos loop asks (:meth:`Broker.inflict`):
   :class:`SentinelRedis` (``--redis sentinel``: 1 master, 1 replica, 3 Sentinels):
   ``redis.failover`` and ``redis.stall`` (a master stopped for less than the failure timeout).
 
-A failover first cuts the replica off its master's replication stream for a random 1-2.5 s
-(:meth:`LocalCluster.cut_off`) while the load goes on, then kills the master: the replica is
-promoted without what the master took meanwhile. Right after the kill, while the replica is
-still a replica (checked: otherwise the measurement is dropped and counted as unmeasured), the
-harness counts the entries the outbox had marked delivered on that master's streams that the
-replica does not hold (:data:`Measure`). An entry the replica lacks has an id above the
-replica's ``last-generated-id`` (replication is ordered, and the relay's ids only grow), so
-trimmed entries are never mistaken for lost ones. With ``OUTBOX_WAIT_REPLICAS=1`` the relay
-marks nothing a replica has not confirmed, so that count must be 0 (the check makes any other
-count a violation); without it the count is usually above 0, and the relay's repair must
-refill every such entry (the final check finds nothing lost). The killed master is restarted
-and rejoins as a replica of the promoted one before the next fault.
+A failover first cuts the replica off its master's replication stream
+(:meth:`LocalCluster.cut_off`) and, while the load goes on, commits a burst of events to the
+master's partition streams and waits until the outbox marked them delivered or 1-5 s passed;
+then it kills the master: the replica is promoted without what the master took meanwhile. Right
+after the kill, while the replica is still a replica (checked: otherwise the measurement is
+dropped and counted as unmeasured), the harness counts the entries the outbox had marked
+delivered on that master's streams that the replica does not hold (:meth:`Probe.lacked`). An
+entry the replica lacks has an id above the replica's ``last-generated-id`` (replication is
+ordered, and the relay's ids only grow), so trimmed entries are never mistaken for lost ones.
+With ``OUTBOX_WAIT_REPLICAS=1`` the relay marks nothing a replica has not confirmed, so that
+count must be 0 (the harness makes any other count a violation); without it the burst makes it
+above 0, and the relay's repair must put every such entry back (the final check finds nothing
+lost). The killed master is restarted and rejoins as a replica of the promoted one before the
+next fault.
 """
 
 from __future__ import annotations
@@ -28,7 +30,6 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -43,13 +44,25 @@ log = logging.getLogger("torture")
 
 SINGLE_FAULTS = ("redis.kill_persistent", "redis.restart_empty", "redis.stall")
 REPLICATED_FAULTS = ("redis.failover", "redis.stall")
-CUT_OFF_S = (1.0, 2.5)  # below the 3 s failure timeout: the replica must stay electable
-NODE_TIMEOUT_MS = 3_000
+CUT_OFF_S = (1.0, 5.0)  # below the failure timeout: the stopped replica must stay electable
+NODE_TIMEOUT_MS = 6_000
 STALL_S = (0.5, 1.5)  # well below the failure timeout: a stall is not a failover
 
-Measure = Callable[[redis.Redis, list[str]], int]
-"""``measure(replica client, stream keys of the killed master)``: how many entries the outbox
-had marked delivered on those streams that the replica lacks (see the module docstring)."""
+class Probe(Protocol):
+    """What a failover asks of the harness (torture/harness.py ``LedgerProbe``)."""
+
+    def burst(self, keys: list[str]) -> list[str]:
+        """Commit a few events whose partition streams are among ``keys``; their ids."""
+        ...
+
+    def all_marked(self, event_ids: list[str]) -> bool:
+        """Whether the outbox marked every one of ``event_ids`` delivered."""
+        ...
+
+    def lacked(self, replica: redis.Redis, keys: list[str]) -> int:
+        """How many entries the outbox marked delivered on ``keys`` the replica lacks: those
+        above the replica's ``last-generated-id`` of their stream."""
+        ...
 
 
 @dataclass
@@ -131,12 +144,12 @@ class ClusterRedis:
 
     faults: tuple[str, ...] = REPLICATED_FAULTS
 
-    def __init__(self, workdir: Path, stream_keys: list[str], measure: Measure) -> None:
+    def __init__(self, workdir: Path, stream_keys: list[str], probe: Probe) -> None:
         self.cluster = LocalCluster(workdir, masters=3, replicas=1, appendonly=True,
                                     node_timeout_ms=NODE_TIMEOUT_MS).start()
         self.url = self.cluster.url  # the first masters; any live node is enough to connect
         self.stream_keys = stream_keys
-        self.measure = measure
+        self.probe = probe
         self.failovers = FailoverTally()
         self._paused: int | None = None
         self._client: redis.Redis | None = None
@@ -160,7 +173,7 @@ class ClusterRedis:
         keys = [k for k in self.stream_keys if self.cluster.master_of(k) == master]
         replica = self.cluster.replica_of(master)
         self.cluster.cut_off(replica)
-        time.sleep(rng.uniform(*CUT_OFF_S))  # writes the replica will never see
+        _while_cut_off(self.probe, keys, rng)
         self.cluster.kill(master)
         self.cluster.resume(replica)
         self._measure(replica, keys)
@@ -172,7 +185,7 @@ class ClusterRedis:
 
     def _measure(self, replica: int, keys: list[str]) -> None:
         with self.cluster.client(replica, readonly=True) as client:
-            lacked = self.measure(client, keys)
+            lacked = self.probe.lacked(client, keys)
             still_replica = client.info("replication").get("role") == "slave"
         if still_replica:
             self.failovers.lacked.append(lacked)
@@ -192,11 +205,11 @@ class SentinelRedis:
 
     faults: tuple[str, ...] = REPLICATED_FAULTS
 
-    def __init__(self, workdir: Path, stream_keys: list[str], measure: Measure) -> None:
+    def __init__(self, workdir: Path, stream_keys: list[str], probe: Probe) -> None:
         self.set = LocalSentinelSet(workdir, down_after_ms=NODE_TIMEOUT_MS).start()
         self.url = self.set.url
         self.stream_keys = stream_keys
-        self.measure = measure
+        self.probe = probe
         self.failovers = FailoverTally()
         self._paused: int | None = None
         self._client: redis.Redis | None = None
@@ -220,11 +233,11 @@ class SentinelRedis:
             self._paused = None
             return True
         self.set.cut_off(replica)
-        time.sleep(rng.uniform(*CUT_OFF_S))  # writes the replica will never see
+        _while_cut_off(self.probe, self.stream_keys, rng)
         self.set.kill(master)
         self.set.resume(replica)
         with node_client(replica) as client:
-            lacked = self.measure(client, self.stream_keys)
+            lacked = self.probe.lacked(client, self.stream_keys)
             still_replica = client.info("replication").get("role") == "slave"
         if still_replica:
             self.failovers.lacked.append(lacked)
@@ -244,28 +257,24 @@ class SentinelRedis:
         self.set.stop()
 
 
-def lacked_entries(delivered: Callable[[list[str]], dict[str, list[str]]]) -> Measure:
-    """A :data:`Measure`: of the entry ids the outbox marked delivered on the given streams
-    (``delivered(keys)``, read from the torture's ledger when called), those above the
-    replica's ``last-generated-id`` of their stream."""
-    from outbox_relay.relay import entry_ids
+def _while_cut_off(probe: Probe, keys: list[str], rng: random.Random) -> None:
+    """While the replica is cut off: commit a burst of events to the master's streams and give
+    the relays until they marked all of them, or the cut-off's random length, whichever comes
+    first. Without ``WAIT`` they mark at once and the promoted replica will lack them; with it
+    the marks cannot come (no replica confirms), and the cut-off runs its whole length."""
+    ids = probe.burst(keys)
+    deadline = time.monotonic() + rng.uniform(*CUT_OFF_S)
+    while time.monotonic() < deadline and not (ids and probe.all_marked(ids)):
+        time.sleep(0.05)
 
-    def measure(client: redis.Redis, keys: list[str]) -> int:
-        marked = delivered(keys)
-        lacked = 0
-        for key in keys:
-            try:
-                raw = client.xinfo_stream(key)["last-generated-id"]
-                top = raw.decode() if isinstance(raw, bytes) else str(raw)
-            except redis.ResponseError as err:
-                if "no such key" not in str(err).lower():
-                    raise  # MOVED and the like: the measurement would be wrong
-                top = "0-0"  # the replica holds nothing of this stream
-            missing = sum(1 for i in marked.get(key, []) if entry_ids.greater(i, top))
-            newest = max(marked.get(key, ["0-0"]), key=entry_ids.parse)
-            log.info("failover: %s: replica's last id %s, newest marked %s, %d marked missing",
-                     key, top, newest, missing)
-            lacked += missing
-        return lacked
 
-    return measure
+def last_generated_id(replica: redis.Redis, key: str) -> str:
+    """The replica's ``last-generated-id`` of ``key`` (``0-0`` when it holds no such stream);
+    a cluster replica must be read with ``READONLY`` (else ``MOVED``, raised)."""
+    try:
+        raw = replica.xinfo_stream(key)["last-generated-id"]
+    except redis.ResponseError as err:
+        if "no such key" not in str(err).lower():
+            raise
+        return "0-0"
+    return raw.decode() if isinstance(raw, bytes) else str(raw)

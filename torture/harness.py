@@ -32,6 +32,8 @@ from typing import Any
 
 from sqlalchemy import Engine, create_engine, func, select, text
 
+from outbox_relay.producer import Producer
+from outbox_relay.relay import entry_ids
 from outbox_relay.runs import schema as runs_schema
 from outbox_relay.runs.schema import runs
 from outbox_relay.shared import db, keys
@@ -43,7 +45,7 @@ from torture.brokers import (
     ClusterRedis,
     SentinelRedis,
     SingleRedis,
-    lacked_entries,
+    last_generated_id,
 )
 from torture.chaos import Chaos, Plan, terminate_backends_by_app_name
 from torture.procs import Child, base_env, outbox_argv
@@ -52,7 +54,8 @@ log = logging.getLogger("torture")
 
 PG_ADMIN_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 GROUP = "torture"
-STREAMS = ("events", "runs")
+EVENTS_STREAM = "events"
+STREAMS = (EVENTS_STREAM, "runs")
 PARTITIONS = 4
 OUT = Path(__file__).with_name("out") / "report.json"
 WORKER_GROUP = "workers"
@@ -328,26 +331,73 @@ def run_one(kind: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
     return report
 
 
-def broker(mode: str, workdir: Path, engine: Engine, prefix: str, plan: Plan) -> Broker:
-    """The Redis of one run (torture/brokers.py), measuring failovers against the ledger."""
-    if mode == "single":
-        return SingleRedis(workdir, plan.stall_s)
-    stream_keys = [keys.stream_key(prefix, s, p) for s in STREAMS for p in range(PARTITIONS)]
+class LedgerProbe:
+    """The failovers' view of the outbox (torture/brokers.py :class:`Probe`): bursts of
+    plain events committed through the producer API, and what the ledger says was marked."""
 
-    def delivered(wanted: list[str]) -> dict[str, list[str]]:
-        """Entry ids the ledger has as marked delivered, per stream key of ``wanted``."""
-        out: dict[str, list[str]] = {}
-        with engine.connect() as conn:
+    BURST = 5  # events per partition stream of the master about to die
+
+    def __init__(self, engine: Engine, prefix: str) -> None:
+        self.engine = engine
+        self.prefix = prefix
+        self.producer = Producer(source="torture", partitions=PARTITIONS, key_prefix=prefix)
+        self.bursts = 0
+
+    def burst(self, stream_keys: list[str]) -> list[str]:
+        """``BURST`` ``torture.event`` events (stream ``events``, no aggregate) per partition
+        stream of ``stream_keys``, in one transaction; their ids (``burst<n>-…``)."""
+        wanted = [p for p in range(PARTITIONS)
+                  if keys.stream_key(self.prefix, EVENTS_STREAM, p) in stream_keys]
+        self.bursts += 1
+        ids: list[str] = []
+        n = 0
+        with self.engine.begin() as conn:
+            for partition in wanted:
+                made = 0
+                while made < self.BURST:
+                    event_id = f"burst{self.bursts}-{n}"
+                    n += 1
+                    if keys.partition_for(event_id, PARTITIONS) != partition:
+                        continue
+                    ids.append(self.producer.enqueue(
+                        conn, type="torture.event", stream=EVENTS_STREAM,
+                        data={"burst": self.bursts}, event_id=event_id))
+                    made += 1
+        return ids
+
+    def all_marked(self, event_ids: list[str]) -> bool:
+        with self.engine.connect() as conn:
+            marked = conn.execute(select(func.count()).where(
+                ledger.events.c.event_id.in_(event_ids),
+                ledger.events.c.delivered_at_ms.is_not(None))).scalar_one()
+        return int(marked) == len(event_ids)
+
+    def lacked(self, replica: Any, stream_keys: list[str]) -> int:
+        marked: dict[str, list[str]] = {}
+        with self.engine.connect() as conn:
             for row in conn.execute(select(ledger.events.c.stream, ledger.events.c.partition,
                                            ledger.events.c.entry_id).where(
                     ledger.events.c.delivered_at_ms.is_not(None))):
-                key = keys.stream_key(prefix, row.stream, row.partition)
-                if key in wanted:
-                    out.setdefault(key, []).append(row.entry_id)
-        return out
+                key = keys.stream_key(self.prefix, row.stream, row.partition)
+                if key in stream_keys:
+                    marked.setdefault(key, []).append(row.entry_id)
+        lacked = 0
+        for key in stream_keys:
+            top = last_generated_id(replica, key)
+            missing = sum(1 for i in marked.get(key, []) if entry_ids.greater(i, top))
+            log.info("failover: %s: replica's last id %s, %d marked, %d of them missing",
+                     key, top, len(marked.get(key, [])), missing)
+            lacked += missing
+        return lacked
 
+
+def broker(mode: str, workdir: Path, engine: Engine, prefix: str, plan: Plan) -> Broker:
+    """The Redis of one run (torture/brokers.py), its failovers probed through the ledger."""
+    if mode == "single":
+        return SingleRedis(workdir, plan.stall_s)
+    stream_keys = [keys.stream_key(prefix, s, p) for s in STREAMS for p in range(PARTITIONS)]
     kind = ClusterRedis if mode == "cluster" else SentinelRedis
-    return kind(workdir, stream_keys, lacked_entries(delivered))
+    return kind(workdir, stream_keys, LedgerProbe(engine, prefix))
 
 
 def _settle(
