@@ -81,6 +81,7 @@ class Relay:
         self._backoff = Backoff()
         self._found_rows = False
         self._append_thread: ThreadPoolExecutor | None = None
+        self._busy: set[int] = set()  # partitions whose last visit said there may be more
         # Observation (relay/metrics.py, cli/observe.py): hooks when metrics are on, the
         # liveness heartbeat and the last successful lease round (monotonic seconds).
         self.metrics: RelayMetrics | None = None
@@ -138,6 +139,7 @@ class Relay:
                     # A daemon waits for Redis or the database as long as it takes; a script's
                     # `--until-idle` run gives up after startup_timeout_s of nothing but errors
                     # instead of hanging its CI job.
+                    self.wakeup.visit_everything()  # the round may have left rows anywhere
                     failing_since = failing_since or self.last_loop
                     if until_idle and (self.last_loop - failing_since
                                        >= self.settings.startup_timeout_s):
@@ -179,18 +181,29 @@ class Relay:
         return bool(waiting)
 
     def run_once(self) -> bool:
-        """One round over our partitions; True if any partition had a full batch or errors."""
+        """One round over our partitions (on PostgreSQL, those notified since the last round,
+        see relay/wakeup.py); True if any partition had a full batch or errors."""
         self.stats.rounds += 1
         self._found_rows = False
+        targets = self.wakeup.targets()
+        held = set(self.leases)
         self._refresh_leases()
         self.repairer.maybe_run(self.leases)
         run_due(self.periodic)
+        if targets is not None:  # notified partitions, the busy ones, and any newly leased
+            targets |= self._busy | (set(self.leases) - held)
+        self._busy = set()
         busy = False
         for partition, epoch in list(self.leases.items()):
             if self._stop.is_set():
                 break
+            if targets is not None and partition not in targets:
+                continue
             try:
-                busy |= self.relay_partition(partition, epoch)
+                more = self.relay_partition(partition, epoch)
+                if more:
+                    self._busy.add(partition)
+                busy |= more
             except LeaseLostError:
                 self.stats.lease_losses += 1
                 log.warning("lost the lease of partition %s", partition,
