@@ -34,6 +34,8 @@ PG_ADMIN_URL = os.environ.get(
 )
 STREAM = "bench"
 EVENT_TYPE = "bench.created"
+SEED_COLUMNS = ("event_id", "stream", "partition", "aggregate_type", "aggregate_id", "revision",
+                "type", "source", "payload", "headers", "created_at_ms", "available_at_ms")
 
 
 @dataclass
@@ -73,11 +75,29 @@ class Target:
                 conn.execute(text(f"VACUUM ANALYZE {name}"))
 
     def seed(self, count: int, partitions: int, *, start: int = 0) -> None:
-        """Insert ``count`` committed, undelivered outbox rows spread over ``partitions``."""
-        rows = list(outbox_rows(count, partitions, start=start))
-        with self.engine.begin() as conn:
-            for i in range(0, len(rows), 5000):
-                conn.execute(insert(outbox), rows[i : i + 5000])
+        """Insert ``count`` committed, undelivered outbox rows spread over ``partitions``.
+
+        On the raw driver connection (``COPY`` on PostgreSQL, ``executemany`` on SQLite): the
+        suite seeds a 50,000-row backlog some 60 times, and SQLAlchemy's batched ``INSERT``
+        took 3 to 8 s each on PostgreSQL."""
+        rows = [tuple(r[c] for c in SEED_COLUMNS)
+                for r in outbox_rows(count, partitions, start=start)]
+        raw = self.engine.raw_connection()
+        try:
+            cur = raw.cursor()
+            if self.kind == "postgresql":
+                with cur.copy(f"COPY outbox_events ({', '.join(SEED_COLUMNS)}) FROM STDIN") as copy:
+                    for row in rows:
+                        copy.write_row(row)
+                raw.commit()
+            else:  # the engine's connections are in autocommit mode: one explicit transaction
+                marks = ", ".join("?" * len(SEED_COLUMNS))
+                cur.execute("BEGIN IMMEDIATE")
+                cur.executemany(f"INSERT INTO outbox_events ({', '.join(SEED_COLUMNS)}) "
+                                f"VALUES ({marks})", rows)
+                cur.execute("COMMIT")
+        finally:
+            raw.close()
         self.vacuum()
 
     def register_nodes(self, node_ids: list[str], now: int) -> None:

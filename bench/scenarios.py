@@ -2,6 +2,10 @@
 
 Relays and consumers run as child processes (see :mod:`bench.workers`); the baseline, the
 Redis ceiling and the producer overhead run in this process, serially, as their definitions say.
+Relay and consumer runs return a :class:`Run`: the rate, and the CPU seconds of each side
+(the children, their PostgreSQL backends, the whole machine, and with a private Redis Cluster
+``topology`` its masters), from which the report says where the next bottleneck is. The
+steady-rate :func:`pipeline` also splits every event's latency into :data:`STAGES`.
 """
 
 from __future__ import annotations
@@ -20,11 +24,13 @@ from typing import Any
 from sqlalchemy import BigInteger, Column, Integer, MetaData, String, Table, insert
 
 from bench import workers
-from bench.baseline import drain_baseline
-from bench.env import EVENT_TYPE, STREAM, Target, fill_streams
+from bench.baseline import Phases, drain_baseline
+from bench.env import EVENT_TYPE, REDIS_URL, STREAM, Target, entry_fields, fill_streams, outbox_rows
+from bench.topologies import Topology
 from outbox_relay.consumer import streams
 from outbox_relay.producer import Producer
-from outbox_relay.shared import db
+from outbox_relay.relay import entry_ids
+from outbox_relay.shared import db, keys
 
 CTX = multiprocessing.get_context("spawn")
 UNDELIVERED = "SELECT count(*) FROM outbox_events WHERE delivered_at_ms IS NULL"
@@ -84,53 +90,137 @@ def wait_for(check: Callable[[], bool], timeout: float, what: str) -> None:
         time.sleep(0.02)
 
 
-def baseline(target: Target, events: int, batch: int) -> float:
-    """Events/s of the hand-written serial loop over ``events`` rows in one partition."""
+def baseline(target: Target, events: int, batch: int, phases: Phases | None = None) -> float:
+    """Events/s of the strong serial loop (:mod:`bench.baseline`) over ``events`` rows in one
+    partition; checks that its entries are the relay's fields, byte for byte."""
     target.reset(1)
     target.seed(events, 1)
     t0 = time.perf_counter()
-    done = drain_baseline(target, 0, batch)
+    done = drain_baseline(target, 0, batch, phases)
     elapsed = time.perf_counter() - t0
     assert done == events, f"baseline delivered {done} of {events}"
+    reply: Any = target.redis.xrange(keys.stream_key(target.prefix, STREAM, 0), count=1)
+    first = reply[0][1]
+    sent = {k.decode(): v.decode() for k, v in first.items()}
+    want = entry_fields(next(outbox_rows(1, 1)))
+    assert list(sent) == list(want) and sent == {**want, "time": sent["time"]}, (sent, want)
     return events / elapsed
 
 
-def relay_throughput(target: Target, events: int, partitions: int, batch: int) -> float:
-    """Events/s of ``partitions`` relay processes (one partition each) draining a backlog."""
+@dataclass
+class Run:
+    """One throughput run: the rate, its wall time and the CPU seconds each side used."""
+
+    rate: float
+    wall: float
+    cpu: dict[str, float]  # python (the children), python_max, db, machine, redis, redis_max
+
+
+def machine_cpu() -> float:
+    """CPU-seconds the whole machine has been busy (``/proc/stat``: all but idle and iowait),
+    whoever used them: with :func:`_cpu`, tells our processes from other load."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except OSError:
+        return 0.0
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+    return (sum(fields[:8]) - idle) / workers.CLOCK_TICK
+
+
+def _cpu(
+    results: list[dict[str, Any]], machine: float, redis_cpu: dict[int, float] | None = None
+) -> dict[str, float]:
+    python = [r["cpu"]["python"] for r in results]
+    out = {"python": sum(python), "python_max": max(python),
+           "db": sum(r["cpu"]["db"] for r in results), "machine": machine}
+    if redis_cpu is not None:
+        out["redis"] = sum(redis_cpu.values())
+        out["redis_max"] = max(redis_cpu.values(), default=0.0)
+    return out
+
+
+def relay_throughput(
+    target: Target, events: int, partitions: int, batch: int, relays: int | None = None,
+    topology: Topology | None = None,
+) -> Run:
+    """Events/s of ``relays`` relay processes (default: one per partition) draining a
+    backlog spread over ``partitions``; on the shared Redis or a private ``topology``."""
+    relays = relays or partitions
     target.reset(partitions)
+    if topology is not None:
+        topology.flush()
     target.seed(events, partitions)
-    nodes = [f"bench-relay-{i}" for i in range(partitions)]
+    nodes = [f"bench-relay-{i}" for i in range(relays)]
     target.register_nodes(nodes, db.now_ms())
+    redis_url = topology.url if topology is not None else REDIS_URL
     with cluster() as c:
         for node in nodes:
-            c.spawn(workers.relay_child, target.url, target.prefix, partitions, batch, node,
-                    c.ready, c.start, c.stop, c.results, True)
+            c.spawn(workers.relay_child, target.url, redis_url, target.prefix, partitions,
+                    batch, node, c.ready, c.start, c.stop, c.results, True)
         t0 = c.go()
+        before = topology.cpu_seconds() if topology is not None else None
+        busy = machine_cpu()
         results = c.collect(len(nodes), timeout=600)
+        busy = machine_cpu() - busy
+        used = _redis_used(topology, before)
     left = target.count(UNDELIVERED)
     assert left == 0, f"{left} rows left undelivered"
     assert sum(r["delivered"] for r in results) == events
-    return float(events / (max(r["end"] for r in results) - t0))
+    wall = max(r["end"] for r in results) - t0
+    return Run(events / wall, wall, _cpu(results, busy, used))
+
+
+def _redis_used(topology: Topology | None, before: dict[int, float] | None) -> dict[
+        int, float] | None:
+    if topology is None or before is None:
+        return None
+    after = topology.cpu_seconds()
+    return {port: after[port] - before[port] for port in after}
 
 
 def consumer_throughput(
-    target: Target, events: int, processes: int, batch: int, partitions: int
-) -> float:
-    """Claims/s of ``processes`` consumers (no-op handler) over a full stream backlog."""
+    target: Target, events: int, processes: int, batch: int, partitions: int,
+    topology: Topology | None = None,
+) -> Run:
+    """Claims/s of ``processes`` consumers (no-op handler) over a full stream backlog; on
+    the shared Redis or a private ``topology``."""
     target.reset(partitions)
-    fill_streams(target.redis, target.prefix, events, partitions)
-    keys = streams.partition_keys(target.prefix, [STREAM], partitions)
-    streams.ensure_groups(target.redis, keys, "bench")
+    client = target.redis if topology is None else topology.client
+    if topology is not None:
+        topology.flush()
+    fill_streams(client, target.prefix, events, partitions)
+    stream_keys = streams.partition_keys(target.prefix, [STREAM], partitions)
+    streams.ensure_groups(client, stream_keys, "bench")
+    redis_url = topology.url if topology is not None else REDIS_URL
     with cluster() as c:
         for i in range(processes):
-            c.spawn(workers.consumer_child, target.url, target.prefix, partitions, batch,
-                    f"bench-consumer-{i}", c.ready, c.start, c.stop, c.results, False)
+            c.spawn(workers.consumer_child, target.url, redis_url, target.prefix, partitions,
+                    batch, f"bench-consumer-{i}", c.ready, c.start, c.stop, c.results, False)
         t0 = c.go()
+        before = topology.cpu_seconds() if topology is not None else None
+        busy = machine_cpu()
         wait_for(lambda: target.count(CLAIMED) >= events, 600, "the consumers")
+        busy = machine_cpu() - busy
         c.stop.set()
         results = c.collect(processes, timeout=60)
+        used = _redis_used(topology, before)
     assert sum(r["applied"] for r in results) == events
-    return float(events / (max(r["end"] for r in results) - t0))
+    wall = max(r["end"] for r in results) - t0
+    return Run(events / wall, wall, _cpu(results, busy, used))
+
+
+STAGES = ("commit → take", "take → XADD acked", "XADD acked → read", "read → claim committed")
+"""The stages of an event's way, in order; their sum is the end-to-end latency.
+
+* commit → take: the producer's commit returned → the relay took the row (the ``ms`` of the
+  row's entry id ``<ms>-<seq>``, which the relay sets from the wall clock in the take
+  transaction: millisecond resolution, read from Redis at no cost to the relay);
+* take → XADD acked: → the relay's append script call returned (the take commit, waiting for
+  the batch in flight before it, the ``EVALSHA``);
+* XADD acked → read: → the consumer's ``XREADGROUP`` returned the entry (its block wakes up
+  when the entry lands; longer when the consumer was busy with a claim);
+* read → claim committed: validation, the claim transaction and its commit, the ``XACK``.
+"""
 
 
 @dataclass
@@ -140,6 +230,7 @@ class Pipeline:
     latencies_ms: list[float]
     rss_kb: dict[str, list[tuple[float, int]]]
     missing: int = 0  # events not claimed by the deadline: the pipeline did not keep up
+    stages_ms: dict[str, list[float]] = field(default_factory=dict)
 
 
 def rss_kb(pid: int) -> int:
@@ -165,10 +256,11 @@ def pipeline(
     streams.ensure_groups(target.redis, keys, "bench")
     total = int(rate * seconds)
     with cluster() as c:
-        relay = c.spawn(workers.relay_child, target.url, target.prefix, partitions, 500,
-                        "bench-relay", c.ready, c.start, c.stop, c.results, False)
-        consumer = c.spawn(workers.consumer_child, target.url, target.prefix, partitions, 500,
-                           "bench-consumer", c.ready, c.start, c.stop, c.results, record)
+        relay = c.spawn(workers.relay_child, target.url, REDIS_URL, target.prefix, partitions,
+                        500, "bench-relay", c.ready, c.start, c.stop, c.results, False, record)
+        consumer = c.spawn(workers.consumer_child, target.url, REDIS_URL, target.prefix,
+                           partitions, 500, "bench-consumer", c.ready, c.start, c.stop,
+                           c.results, record)
         c.spawn(workers.producer_child, target.url, target.prefix, partitions, rate, seconds,
                 c.ready, c.start, c.results)
         rss: dict[str, list[tuple[float, int]]] = {"relay": [], "consumer": []}
@@ -197,7 +289,34 @@ def pipeline(
     committed = results["producer"]["committed"]
     claimed = results["bench-consumer"]["claimed"]
     lat = [(claimed[i] - t) * 1000 for i, t in committed.items() if i in claimed]
-    return Pipeline(lat, rss, missing=total - len(lat))
+    stages = stage_latencies(committed, results["bench-relay"]["landed"],
+                             results["bench-consumer"]["read"], claimed)
+    return Pipeline(lat, rss, missing=total - len(lat), stages_ms=stages)
+
+
+def stage_latencies(
+    committed: dict[str, float],
+    landed: dict[tuple[str, int], float],
+    read: dict[str, tuple[str, str, float]],
+    claimed: dict[str, float],
+) -> dict[str, list[float]]:
+    """Per event with every stamp, the ms each :data:`STAGES` stage took (wall clock)."""
+    out: dict[str, list[float]] = {name: [] for name in STAGES}
+    for event_id, commit in committed.items():
+        seen = read.get(event_id)
+        done = claimed.get(event_id)
+        if seen is None or done is None:
+            continue
+        key, entry_id, read_at = seen
+        take_ms = entry_ids.parse(entry_id)[0]
+        acked = landed.get((key, take_ms))
+        if acked is None:
+            continue
+        take = take_ms / 1000
+        for name, start, end in zip(STAGES, (commit, take, acked, read_at),
+                                    (take, acked, read_at, done), strict=True):
+            out[name].append((end - start) * 1000)
+    return out
 
 
 def _sample(rss: dict[str, list[tuple[float, int]]], relay: int, consumer: int, t: float) -> None:
