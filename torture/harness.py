@@ -307,6 +307,8 @@ def run_one(kind: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
         violations.append("did_not_settle")
     assert server is not None
     failovers = server.failovers
+    probe = getattr(server, "probe", None)  # an entry still missing at the next failover
+    lacked_distinct = len(probe.lacked_ids) if isinstance(probe, LedgerProbe) else 0  # once
     lacked = sum(failovers.lacked)
     if args.wait_replicas > 0 and lacked:  # WAIT: a promoted replica holds every marked entry
         violations.append(f"marked_entries_missing_after_failover:{lacked}")
@@ -320,6 +322,7 @@ def run_one(kind: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
         "redis": args.redis, "wait_replicas": args.wait_replicas,
         "failovers": failovers.failovers, "lacked_after_failover": lacked,
         "lacked_per_failover": failovers.lacked, "failovers_unmeasured": failovers.unmeasured,
+        "lacked_distinct": lacked_distinct,
         "unavailable_exits": dict(sorted(tally.unavailable_exits.items())),
         "retention": {"settings": retention_env(args.retention), **retained},
         **verdict.as_dict(), "violations": violations,
@@ -342,6 +345,7 @@ class LedgerProbe:
         self.prefix = prefix
         self.producer = Producer(source="torture", partitions=PARTITIONS, key_prefix=prefix)
         self.bursts = 0
+        self.lacked_ids: set[tuple[str, str]] = set()  # every (stream key, entry id) ever lacked
 
     def burst(self, stream_keys: list[str]) -> list[str]:
         """``BURST`` ``torture.event`` events (stream ``events``, no aggregate) per partition
@@ -384,7 +388,9 @@ class LedgerProbe:
         lacked = 0
         for key in stream_keys:
             top = last_generated_id(replica, key)
-            missing = sum(1 for i in marked.get(key, []) if entry_ids.greater(i, top))
+            gone = [i for i in marked.get(key, []) if entry_ids.greater(i, top)]
+            self.lacked_ids.update((key, i) for i in gone)
+            missing = len(gone)
             log.info("failover: %s: replica's last id %s, %d marked, %d of them missing",
                      key, top, len(marked.get(key, [])), missing)
             lacked += missing
