@@ -24,6 +24,7 @@ import json
 import logging
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from json.encoder import encode_basestring
 from typing import Any
 
 import redis
@@ -31,7 +32,7 @@ import redis
 from outbox_relay.relay import entry_ids, fence
 from outbox_relay.relay.outgoing import OutboxRow
 from outbox_relay.shared import keys, tracing
-from outbox_relay.shared.envelope import encode_fields
+from outbox_relay.shared.envelope import JSON_CONTENT_TYPE, SPECVERSION, encode_fields
 from outbox_relay.shared.errors import StreamBehindError, UnavailableError
 from outbox_relay.shared.redis_conn import is_cluster, node_of, translate_redis_errors
 
@@ -143,12 +144,7 @@ def to_fields(row: OutboxRow) -> dict[str, str]:
     out as it is (the model would parse and re-serialize it to the same text); a row that is
     not valid JSON reaches consumers, which dead-letter it with ``bad_json``.
     """
-    traceparent = tracestate = None
-    if row.headers and row.headers != "{}":
-        headers = json.loads(row.headers)
-        traceparent = headers.get("traceparent")
-        if traceparent is not None:
-            tracestate = headers.get("tracestate") or None
+    traceparent, tracestate = _trace_headers(row)
     return encode_fields(
         event_id=row.event_id,
         source=row.source,
@@ -162,6 +158,101 @@ def to_fields(row: OutboxRow) -> dict[str, str]:
         traceparent=traceparent,
         tracestate=tracestate,
     )
+
+
+def _trace_headers(row: OutboxRow) -> tuple[Any, Any]:
+    """The row's ``traceparent`` and ``tracestate`` headers (``None`` when absent)."""
+    traceparent = tracestate = None
+    if row.headers and row.headers != "{}":
+        headers = json.loads(row.headers)
+        traceparent = headers.get("traceparent")
+        if traceparent is not None:
+            tracestate = headers.get("tracestate") or None
+    return traceparent, tracestate
+
+
+# The script argument is a JSON array of ``[entry id, [field, value, ...]]``, one per row, in
+# :func:`to_fields`'s field order. :func:`entry_json` writes a row's element directly: building
+# the fields dict (a ``datetime`` and its ``isoformat`` per row), flattening it and letting
+# ``json.dumps`` escape the constant field names again took the append thread about 40 % of its
+# time. ``encode_basestring`` is the escaper ``json.dumps(..., ensure_ascii=False)`` itself
+# calls for every string, so the text is byte for byte the one ``json.dumps`` wrote (a unit
+# test compares the two, tests/unit/test_entry_json.py). The constant parts are escaped once.
+_HEAD = ",[" + ",".join(encode_basestring(x) for x in ("specversion", SPECVERSION, "id"))
+_TYPE = "," + encode_basestring("type") + ","
+_TIME = "," + encode_basestring("time") + ","
+_DATA = "," + ",".join(encode_basestring(x) for x in (
+    "datacontenttype", JSON_CONTENT_TYPE, "data")) + ","
+_SOURCE = "," + encode_basestring("source") + ","
+_SUBJECT = "," + encode_basestring("subject") + ","
+_AGGTYPE = "," + encode_basestring("aggregatetype") + ","
+_AGGID = "," + encode_basestring("aggregateid") + ","
+_REVISION = "," + encode_basestring("revision") + ","
+_TRACEPARENT = "," + encode_basestring("traceparent") + ","
+_TRACESTATE = "," + encode_basestring("tracestate") + ","
+# ``datetime.fromtimestamp(ms / 1000)`` is exact to the microsecond (the float's error stays
+# below half a microsecond) while ``ms / 1000 < 2**33``; :func:`_time_text` takes ms below
+# 2**32 s (year 2106) and at or above 0, and leaves any other value to :func:`to_fields`.
+_EXACT_MS = 2**32 * 1000
+_second_text: tuple[int, str] = (-1, "")  # the last second formatted (one tuple: thread-safe)
+
+
+def _time_text(ms: int) -> str:
+    """The quoted RFC 3339 ``time`` of epoch ``ms`` as :func:`to_fields` writes it
+    (``isoformat``: microseconds, none when zero; ``Z``), the seconds formatted once per
+    distinct second (a batch's rows mostly share a few)."""
+    global _second_text
+    second, frac = divmod(ms, 1000)
+    cached = _second_text
+    if cached[0] != second:
+        text = datetime.fromtimestamp(second, tz=UTC).isoformat()[:19]  # to the seconds
+        cached = _second_text = (second, text)
+    return f'"{cached[1]}.{frac:03d}000Z"' if frac else f'"{cached[1]}Z"'
+
+
+def entry_json(row: OutboxRow) -> str:
+    """The JSON text of a row's ``[entry id, [field, value, ...]]`` in the script argument:
+    exactly ``json.dumps([row.entry_id, <to_fields(row) flattened>], ensure_ascii=False,
+    separators=(",", ":"))``. Rows whose values are all strings (the revision an int) and
+    whose time is in :data:`_EXACT_MS` take the direct path; any other goes through
+    :func:`to_fields` and ``json.dumps``, so the two never differ."""
+    ms, agg_type, agg_id, revision = (
+        row.created_at_ms, row.aggregate_type, row.aggregate_id, row.revision)
+    traceparent, tracestate = _trace_headers(row)
+    if not (type(ms) is int and 0 <= ms < _EXACT_MS
+            and type(row.entry_id) is str and type(row.event_id) is str
+            and type(row.source) is str and type(row.type) is str
+            and type(row.payload) is str
+            and (agg_type is None or type(agg_type) is str)
+            and (agg_id is None or type(agg_id) is str)
+            and (revision is None or type(revision) is int)
+            and (traceparent is None or type(traceparent) is str)
+            and (tracestate is None or type(tracestate) is str)):
+        flat = [x for kv in to_fields(row).items() for x in kv]
+        return json.dumps([row.entry_id, flat], ensure_ascii=False, separators=(",", ":"))
+    text = (f"[{encode_basestring(row.entry_id)}{_HEAD},{encode_basestring(row.event_id)}"
+            f"{_SOURCE}{encode_basestring(row.source)}{_TYPE}{encode_basestring(row.type)}"
+            f"{_TIME}{_time_text(ms)}{_DATA}{encode_basestring(row.payload)}")
+    if agg_id is not None:
+        subject = encode_basestring(agg_id)
+        text += _SUBJECT + subject
+    if agg_type is not None:
+        text += _AGGTYPE + encode_basestring(agg_type)
+    if agg_id is not None:
+        text += _AGGID + subject
+    if revision is not None:
+        text += f'{_REVISION}"{revision}"'
+    if traceparent is not None:
+        text += _TRACEPARENT + encode_basestring(traceparent)
+    if tracestate is not None:
+        text += _TRACESTATE + encode_basestring(tracestate)
+    return text + "]]"
+
+
+def batch_json(rows: list[OutboxRow]) -> str:
+    """The script's entries argument: ``json.dumps`` of ``[[entry id, [field, value, ...]],
+    ...]`` (``ensure_ascii=False``, compact), written by :func:`entry_json` row by row."""
+    return "[" + ",".join([entry_json(r) for r in rows]) + "]"
 
 
 def append(
@@ -216,12 +307,11 @@ def _call_args(
     prefix: str, sub: list[OutboxRow], epoch: int, maxlen: int, floor: str
 ) -> tuple[Any, ...]:
     first = sub[0]
-    batch = [[r.entry_id, [x for kv in to_fields(r).items() for x in kv]] for r in sub]
     return (
         keys.stream_key(prefix, first.stream, first.partition),
         keys.fence_key(prefix, first.stream, first.partition),
         epoch,
-        json.dumps(batch, ensure_ascii=False, separators=(",", ":")),
+        batch_json(sub),
         maxlen,
         floor,
     )

@@ -89,11 +89,12 @@ def _dump_batches(batches: list[Batch]) -> str:
 
 
 def sendable(
-    partition: int, now: int | ColumnElement[int], after_seq: int | None
+    partition: int | ColumnElement[int], now: int | ColumnElement[int], after_seq: int | None
 ) -> tuple[Any, ...]:
     """The sendable rows of a partition, in a form only the pending index serves in order.
 
-    ``now`` is the database's clock (a value the transaction read once, or the expression).
+    ``now`` is the database's clock (a value the transaction read once, or the expression);
+    ``partition`` a value or a bound parameter (a statement built once).
 
     ``partition BETWEEN p AND p`` rather than ``partition = p``, with ``ORDER BY partition,
     seq`` (:data:`_IN_ORDER`): with an equality, PostgreSQL may walk the primary key in seq
@@ -308,8 +309,18 @@ def record(
     conn: Connection, partition: int, epoch: int, batches: list[Batch], last: str
 ) -> None:
     """Write the lease row's batch record and last assigned entry id (the caller fenced it)."""
-    conn.execute(
+    conn.execute(_record_query(), {"b_part": partition, "b_epoch": epoch,
+                                   "b_inflight": _dump_batches(batches), "b_last": last})
+
+
+@functools.cache
+def _record_query() -> Any:
+    """The write of :func:`record`, a statement built once (every take and settle runs it;
+    built per call, SQLAlchemy also recomputed its cache key each time)."""
+    return (
         update(relay_leases)
-        .where(relay_leases.c.partition == partition, relay_leases.c.epoch == epoch)
-        .values(inflight=_dump_batches(batches), last_entry_id=last)
+        .where(relay_leases.c.partition == bindparam("b_part", type_=Integer),
+               relay_leases.c.epoch == bindparam("b_epoch", type_=BigInteger))
+        .values(inflight=bindparam("b_inflight", type_=String),
+                last_entry_id=bindparam("b_last", type_=String))
     )

@@ -12,6 +12,7 @@ and fencing epoch in the same transaction, so a relay that lost its lease cannot
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from collections.abc import Sequence
@@ -21,6 +22,7 @@ from sqlalchemy import (
     BigInteger,
     Connection,
     Engine,
+    Integer,
     String,
     bindparam,
     column,
@@ -143,31 +145,68 @@ def release_leases(engine: Engine, node_id: str, leases: dict[int, int]) -> None
         conn.execute(delete(relay_nodes).where(relay_nodes.c.node_id == node_id))
 
 
-def _ours(partition: int, node_id: str, epoch: int, now: int) -> tuple[Any, ...]:
-    """The lease row of ``partition`` as long as this node holds it at ``epoch`` (the fence)."""
-    return (
-        relay_leases.c.partition == partition,
-        relay_leases.c.owner == node_id,
-        relay_leases.c.epoch == epoch,
-        relay_leases.c.expires_at_ms > now,
-    )
-
-
 def _check_lease(
     conn: Connection, partition: int, node_id: str, epoch: int, now: int, ttl_ms: int
 ) -> None:
-    result = conn.execute(
-        update(relay_leases)
-        .where(*_ours(partition, node_id, epoch, now))
-        .values(expires_at_ms=now + ttl_ms)
-    )
+    result = conn.execute(_renew_query(), _lease_params(partition, node_id, epoch, now, ttl_ms))
     if result.rowcount != 1:
         raise LeaseLostError(f"partition {partition} is no longer ours (epoch {epoch})")
 
 
+def _lease_params(
+    partition: int, node_id: str, epoch: int, now: int, ttl_ms: int
+) -> dict[str, Any]:
+    """The parameters of :func:`_ours_bound` (and the lease's new expiry, ``b_expires``)."""
+    return {"b_part": partition, "b_node": node_id, "b_epoch": epoch, "b_now": now,
+            "b_expires": now + ttl_ms}
+
+
+def _ours_bound() -> tuple[Any, ...]:
+    """The lease row of partition ``b_part`` as long as node ``b_node`` holds it at epoch
+    ``b_epoch`` (the fence) and it has not expired at ``b_now`` (:func:`_lease_params`)."""
+    now = bindparam("b_now", type_=BigInteger)
+    return (
+        relay_leases.c.partition == bindparam("b_part", type_=Integer),
+        relay_leases.c.owner == bindparam("b_node", type_=String),
+        relay_leases.c.epoch == bindparam("b_epoch", type_=BigInteger),
+        relay_leases.c.expires_at_ms > now,
+    )
+
+
+@functools.cache
+def _fence_query(postgres: bool, idle_skip: bool) -> Any:
+    """The fence of :func:`_fence`, a statement built once per dialect and form: the relay runs
+    it in every take and settle, and building and cache-keying the fence, mark and record
+    statements on each call took 15-20 % of the relay thread's profile (SQLAlchemy memoizes
+    the cache key of a statement object it sees again; a new object is keyed anew, a tree
+    walk). Parameters: :func:`_lease_params`."""
+    stmt = update(relay_leases).where(*_ours_bound())
+    if idle_skip:
+        pending = sendable(bindparam("b_part", type_=Integer), db_now_ms(postgres), None)
+        stmt = stmt.where(
+            or_(relay_leases.c.inflight != "[]", first_sendable(pending).is_not(None))
+        )
+    return stmt.values(expires_at_ms=bindparam("b_expires", type_=BigInteger)).returning(
+        relay_leases.c.last_entry_id, relay_leases.c.inflight, db_now_ms(postgres)
+    )
+
+
+@functools.cache
+def _renew_query() -> Any:
+    """Extend the lease if it is still ours (no row changes if not), built once."""
+    return (update(relay_leases).where(*_ours_bound())
+            .values(expires_at_ms=bindparam("b_expires", type_=BigInteger)))
+
+
+@functools.cache
+def _lease_held() -> Any:
+    """Whether the lease is ours (a read), built once; parameters: :func:`_lease_params`."""
+    return select(relay_leases.c.partition).where(*_ours_bound())
+
+
 def _fence(
     conn: Connection, partition: int, node_id: str, epoch: int, now: int, ttl_ms: int,
-    *, pending: tuple[Any, ...] | None = None,
+    *, idle_skip: bool = False,
 ) -> tuple[str, list[Batch], int] | None:
     """Fence and extend our lease in one statement; the lease's last entry id and batches, and
     the database's clock (:func:`shared.db.db_now_ms`), the one "now" of the transaction that
@@ -175,40 +214,31 @@ def _fence(
     must not be a sendable row to one and not a delayed one to the other).
 
     ``UPDATE … WHERE <lease is ours> [AND (<batches recorded> OR EXISTS (<pending row>))]
-    RETURNING last_entry_id, inflight, <db now>``. With ``pending``, an idle partition's take
+    RETURNING last_entry_id, inflight, <db now>``. With ``idle_skip``, an idle partition's take
     writes nothing (on SQLite, no WAL commit and fsync competing with producers for the write lock)
     and None comes back; the lease is still verified by a read (and extended by the relay's
     periodic :func:`acquire_leases`). Raises :class:`LeaseLostError` when fenced out.
     """
-    stmt = update(relay_leases).where(*_ours(partition, node_id, epoch, now))
-    if pending is not None:
-        stmt = stmt.where(
-            or_(relay_leases.c.inflight != "[]", first_sendable(pending).is_not(None))
-        )
-    found = conn.execute(
-        stmt.values(expires_at_ms=now + ttl_ms)
-        .returning(relay_leases.c.last_entry_id, relay_leases.c.inflight,
-                   db_now_ms(is_postgres(conn)))
-    ).first()
+    params = _lease_params(partition, node_id, epoch, now, ttl_ms)
+    found = conn.execute(_fence_query(is_postgres(conn), idle_skip), params).first()
     if found is not None:
         return str(found[0]), load_batches(found[1]), int(found[2])
-    if pending is None or conn.execute(
-        select(relay_leases.c.partition).where(*_ours(partition, node_id, epoch, now))
-    ).first() is None:
+    if not idle_skip or conn.execute(_lease_held(), params).first() is None:
         raise LeaseLostError(f"partition {partition} is no longer ours (epoch {epoch})")
     return None
 
 
-def _undelivered(conn: Connection, partition: int) -> tuple[Any, ...]:
-    """A partition's undelivered rows, for a lookup by seq.
+def _undelivered(postgres: bool) -> tuple[Any, ...]:
+    """A partition's (``b_part``) undelivered rows, for a lookup by seq.
 
     On PostgreSQL with the partition named, so the lookup is an exact probe of the pending
     index (without it, PostgreSQL scanned that index whole per row). On SQLite without: a seq
     is the rowid, an exact probe already, and the partition term made SQLite drive the join
     from the pending index instead (a scan of the partition's pending rows per row).
     """
-    if is_postgres(conn):
-        return outbox.c.partition == partition, outbox.c.delivered_at_ms.is_(None)
+    if postgres:
+        return (outbox.c.partition == bindparam("b_part", type_=Integer),
+                outbox.c.delivered_at_ms.is_(None))
     return (outbox.c.delivered_at_ms.is_(None),)
 
 
@@ -246,8 +276,7 @@ def take_batch(
             last, batches, db_now = lease
             return take_fresh(conn, partition, epoch, batch_size, db_now, last, batches,
                                after_seq=after_seq, inflight=inflight)
-        pending = sendable(partition, db_now_ms(is_postgres(conn)), None)
-        found = _fence(conn, partition, node_id, epoch, now, ttl_ms, pending=pending)
+        found = _fence(conn, partition, node_id, epoch, now, ttl_ms, idle_skip=True)
         if found is None:
             return []
         last, batches, db_now = found
@@ -263,31 +292,79 @@ def take_batch(
 def _mark_delivered(
     conn: Connection, partition: int, pairs: list[tuple[int, str]], now: int
 ) -> None:
-    """Mark ``(seq, entry_id)`` rows delivered under that id, in one statement.
+    """Mark ``(seq, entry_id)`` rows delivered under that id, in one statement
+    (:func:`_mark_query`). Only still-undelivered rows change."""
+    if not is_postgres(conn):
+        prefix = _one_batch_prefix(pairs)
+        if prefix is not None:
+            conn.execute(_mark_seqs_query(), {"b_seqs": json.dumps([s for s, _ in pairs]),
+                                              "b_prefix": prefix, "b_now": now})
+            return
+        conn.execute(_mark_query(False), {"b_pairs": json.dumps(pairs), "b_now": now})
+        return
+    conn.execute(
+        _mark_query(True),
+        {"b_pairs": [{"seq": s, "entry_id": e} for s, e in pairs], "b_part": partition,
+         "b_now": now},
+    )
+
+
+def _one_batch_prefix(pairs: list[tuple[int, str]]) -> str | None:
+    """``"<ms>-"`` when every id is ``<ms>-<seq>`` of its own seq with one ``ms`` (a batch as
+    :func:`take_batch` takes it), else None (ids of several recorded batches, or an id an
+    earlier version of the relay wrote)."""
+    if not pairs:
+        return None
+    prefix = pairs[0][1].partition("-")[0] + "-"
+    for seq, entry_id in pairs:
+        if entry_id != f"{prefix}{seq}":
+            return None
+    return prefix
+
+
+@functools.cache
+def _mark_seqs_query() -> Any:
+    """SQLite's mark of one batch's rows (:func:`_one_batch_prefix`), built once:
+    ``… SET entry_id = :b_prefix || seq … WHERE seq IN (SELECT value FROM json_each(:b_seqs))``
+    writes the same ids as :func:`_mark_query`'s join on ``json_each`` of the pairs, which
+    parsed each pair twice with ``json_extract``: 2.2 ms instead of 2.8 ms per 500 rows
+    (median of 30, CPU time, bench/PERFORMANCE.md). The seq is an INTEGER (the rowid), so its
+    text is Python's ``str`` of it."""
+    seqs = func.json_each(bindparam("b_seqs")).table_valued("value")
+    return (
+        update(outbox)
+        .where(*_undelivered(False), outbox.c.seq.in_(select(seqs.c.value)))
+        .values(entry_id=bindparam("b_prefix", type_=String).concat(outbox.c.seq),
+                delivered_at_ms=bindparam("b_now", type_=BigInteger),
+                attempts=outbox.c.attempts + 1, last_error=None)
+    )
+
+
+@functools.cache
+def _mark_query(postgres: bool) -> Any:
+    """The mark of :func:`_mark_delivered`, a statement built once per dialect (built per call,
+    it cost a settle as much Python time as the fence).
 
     Constant SQL, so it is compiled once whatever the batch size (a row-by-row executemany
-    cost more than the rest of the settle): PostgreSQL joins ``json_to_recordset(:pairs)``
-    (:func:`shared.db.json_recordset`), SQLite ``json_each(:pairs)``. Only still-undelivered
-    rows change.
+    cost more than the rest of the settle): PostgreSQL joins ``json_to_recordset(:b_pairs)``
+    (:func:`shared.db.json_recordset`), SQLite ``json_each(:b_pairs)``.
     """
-    done = {"delivered_at_ms": now, "attempts": outbox.c.attempts + 1, "last_error": None}
-    if not is_postgres(conn):
+    done = {"delivered_at_ms": bindparam("b_now", type_=BigInteger),
+            "attempts": outbox.c.attempts + 1, "last_error": None}
+    if not postgres:
         pairs_json = func.json_each(bindparam("b_pairs")).table_valued("value", name="given")
         seq = func.json_extract(pairs_json.c.value, "$[0]")
         entry_id = func.json_extract(pairs_json.c.value, "$[1]")
-        conn.execute(
+        return (
             update(outbox)
-            .where(*_undelivered(conn, partition), outbox.c.seq == seq)
-            .values(entry_id=entry_id, **done),
-            {"b_pairs": json.dumps(pairs)},
+            .where(*_undelivered(False), outbox.c.seq == seq)
+            .values(entry_id=entry_id, **done)
         )
-        return
     given = json_recordset("b_pairs", column("seq", BigInteger), column("entry_id", String))
-    conn.execute(
+    return (
         update(outbox)
-        .where(*_undelivered(conn, partition), outbox.c.seq == given.c.seq)
-        .values(entry_id=given.c.entry_id, **done),
-        {"b_pairs": [{"seq": s, "entry_id": e} for s, e in pairs]},
+        .where(*_undelivered(True), outbox.c.seq == given.c.seq)
+        .values(entry_id=given.c.entry_id, **done)
     )
 
 
@@ -350,18 +427,11 @@ def settle(
             if register:
                 _register(conn, register, now)
         if gaps:
-            conn.execute(
-                update(outbox)
-                .where(*_undelivered(conn, partition), outbox.c.seq.in_(gaps))
-                .values(entry_id=None, attempts=outbox.c.attempts + 1, last_error="ordering_gap")
-            )
+            conn.execute(_attempted(is_postgres(conn), gap=True),
+                         {"b_part": partition, "b_seqs": gaps, "b_error": "ordering_gap"})
         if failed:
-            conn.execute(
-                update(outbox)
-                .where(*_undelivered(conn, partition), outbox.c.seq == bindparam("b_seq"))
-                .values(attempts=outbox.c.attempts + 1, last_error=bindparam("b_error")),
-                [{"b_seq": s, "b_error": c} for s, c in failed],
-            )
+            conn.execute(_failed_query(is_postgres(conn)),
+                         [{"b_part": partition, "b_seq": s, "b_error": c} for s, c in failed])
         through = max(settled, default=-1)
         batches = [] if drop_recorded else [b for b in batches if b.first_seq > through]
         if take_after is None:
@@ -371,14 +441,40 @@ def settle(
                            after_seq=take_after, inflight=inflight, force_write=True)
 
 
+@functools.cache
+def _attempted(postgres: bool, *, gap: bool) -> Any:
+    """Count an attempt on the undelivered rows ``b_seqs`` of partition ``b_part`` with error
+    ``b_error``; a ``gap`` also forgets their entry ids (they go out again under new ones).
+    Built once per dialect, like the relay's other per-batch statements (:func:`_fence_query`);
+    ``b_seqs`` expands to the list at execution."""
+    values: dict[str, Any] = {"attempts": outbox.c.attempts + 1,
+                              "last_error": bindparam("b_error", type_=String)}
+    if gap:
+        values["entry_id"] = None
+    return (
+        update(outbox)
+        .where(*_undelivered(postgres), outbox.c.seq.in_(bindparam("b_seqs", expanding=True)))
+        .values(**values)
+    )
+
+
+@functools.cache
+def _failed_query(postgres: bool) -> Any:
+    """Count a refused attempt of row ``b_seq`` with its error code ``b_error`` (run as an
+    executemany), built once per dialect."""
+    return (
+        update(outbox)
+        .where(*_undelivered(postgres), outbox.c.seq == bindparam("b_seq", type_=BigInteger))
+        .values(attempts=outbox.c.attempts + 1,
+                last_error=bindparam("b_error", type_=String))
+    )
+
+
 def record_unknown(engine: Engine, partition: int, seqs: list[int], code: str) -> None:
     """Note an attempt whose outcome Redis never told us (the rows keep their entry ids)."""
     with translate_errors(), engine.begin() as conn:
-        conn.execute(
-            update(outbox)
-            .where(*_undelivered(conn, partition), outbox.c.seq.in_(seqs))
-            .values(attempts=outbox.c.attempts + 1, last_error=code)
-        )
+        conn.execute(_attempted(is_postgres(conn), gap=False),
+                     {"b_part": partition, "b_seqs": seqs, "b_error": code})
 
 
 # --- Broker data-loss repair (relay/repair.py): read-only queries plus lease helpers. ---
