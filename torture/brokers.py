@@ -139,15 +139,19 @@ class SingleRedis:
         self.server.stop()
 
 
-class ClusterRedis:
-    """A local Redis Cluster (3 masters with a replica each, AOF) under fault."""
+class _Replicated:
+    """A master/replica topology under fault: the failover and stall both kinds share.
+
+    Subclasses say where the topology is (``self.topology``: a :class:`LocalCluster` or a
+    :class:`LocalSentinelSet`), which master to hit and its replica, which stream keys it
+    holds, how to read the replica, and what to wait for after the kill and the restart.
+    """
 
     faults: tuple[str, ...] = REPLICATED_FAULTS
+    topology: LocalCluster | LocalSentinelSet
+    url: str
 
-    def __init__(self, workdir: Path, stream_keys: list[str], probe: Probe) -> None:
-        self.cluster = LocalCluster(workdir, masters=3, replicas=1, appendonly=True,
-                                    node_timeout_ms=NODE_TIMEOUT_MS).start()
-        self.url = self.cluster.url  # the first masters; any live node is enough to connect
+    def __init__(self, stream_keys: list[str], probe: Probe) -> None:
         self.stream_keys = stream_keys
         self.probe = probe
         self.failovers = FailoverTally()
@@ -155,106 +159,115 @@ class ClusterRedis:
         self._client: redis.Redis | None = None
 
     def client(self) -> redis.Redis:
-        """One cluster client, kept (it follows failovers on its own)."""
-        if self._client is None:
-            self._client = connect_redis(self.cluster.url, timeout_s=5)
-        return self._client
-
-    def inflict(self, fault: str, rng: random.Random) -> bool:
-        master = rng.choice(self.cluster.master_ports())
-        log.info("broker fault: %s of the master on %d", fault, master)
-        if fault == "redis.stall":
-            self._paused = master
-            self.cluster.pause(master)
-            time.sleep(rng.uniform(*STALL_S))  # the stall itself, not a wait
-            self.cluster.resume(master)
-            self._paused = None
-            return True
-        keys = [k for k in self.stream_keys if self.cluster.master_of(k) == master]
-        replica = self.cluster.replica_of(master)
-        self.cluster.cut_off(replica)
-        _while_cut_off(self.probe, keys, rng)
-        self.cluster.kill(master)
-        self.cluster.resume(replica)
-        self._measure(replica, keys)
-        self.cluster.wait_failover(master, replica, timeout=60)
-        self.cluster.restart(master)  # rejoins as a replica of the promoted one
-        self.cluster.wait_ready(timeout=60)
-        self.failovers.failovers += 1
-        return True
-
-    def _measure(self, replica: int, keys: list[str]) -> None:
-        with self.cluster.client(replica, readonly=True) as client:
-            lacked = self.probe.lacked(client, keys)
-            still_replica = client.info("replication").get("role") == "slave"
-        if still_replica:
-            self.failovers.lacked.append(lacked)
-        else:
-            self.failovers.unmeasured += 1
-
-    def resume(self) -> None:
-        if self._paused is not None:
-            self.cluster.resume(self._paused)
-
-    def stop(self) -> None:
-        self.cluster.stop()
-
-
-class SentinelRedis:
-    """A local Sentinel set (1 master, 1 replica, 3 Sentinels) under fault."""
-
-    faults: tuple[str, ...] = REPLICATED_FAULTS
-
-    def __init__(self, workdir: Path, stream_keys: list[str], probe: Probe) -> None:
-        self.set = LocalSentinelSet(workdir, down_after_ms=NODE_TIMEOUT_MS).start()
-        self.url = self.set.url
-        self.stream_keys = stream_keys
-        self.probe = probe
-        self.failovers = FailoverTally()
-        self._paused: int | None = None
-        self._client: redis.Redis | None = None
-
-    def client(self) -> redis.Redis:
-        """One client of the current master, kept (it asks the Sentinels on reconnect)."""
+        """One client, kept (it follows failovers on its own)."""
         if self._client is None:
             self._client = connect_redis(self.url, timeout_s=5)
         return self._client
 
     def inflict(self, fault: str, rng: random.Random) -> bool:
-        master = self.set.master_port_now()
-        replica = self.set.replica_port if master == self.set.master_port else \
-            self.set.master_port
+        master, replica = self._pick(rng)
         log.info("broker fault: %s of the master on %d", fault, master)
         if fault == "redis.stall":
             self._paused = master
-            self.set.pause(master)
+            self.topology.pause(master)
             time.sleep(rng.uniform(*STALL_S))  # the stall itself, not a wait
-            self.set.resume(master)
+            self.topology.resume(master)
             self._paused = None
             return True
-        self.set.cut_off(replica)
-        _while_cut_off(self.probe, self.stream_keys, rng)
-        self.set.kill(master)
-        self.set.resume(replica)
-        with node_client(replica) as client:
-            lacked = self.probe.lacked(client, self.stream_keys)
+        keys = self._keys_of(master)
+        self.topology.cut_off(replica)
+        _while_cut_off(self.probe, keys, rng)
+        self.topology.kill(master)
+        self.topology.resume(replica)
+        with self._replica_client(replica) as client:
+            lacked = self.probe.lacked(client, keys)
             still_replica = client.info("replication").get("role") == "slave"
         if still_replica:
             self.failovers.lacked.append(lacked)
-        else:
+        else:  # promoted before the measurement ended: it might have taken writes already
             self.failovers.unmeasured += 1
-        self.set.wait_promoted(replica, timeout=60)
-        self.set.restart(master)  # the Sentinels make it a replica of the promoted one
-        self.set.wait_replica_linked(master, timeout=60)
+        self._wait_promoted(master, replica)
+        self.topology.restart(master)  # rejoins as a replica of the promoted one
+        self._wait_rejoined(master)
         self.failovers.failovers += 1
         return True
 
+    def _pick(self, rng: random.Random) -> tuple[int, int]:
+        raise NotImplementedError
+
+    def _keys_of(self, master: int) -> list[str]:
+        raise NotImplementedError
+
+    def _replica_client(self, replica: int) -> redis.Redis:
+        raise NotImplementedError
+
+    def _wait_promoted(self, master: int, replica: int) -> None:
+        raise NotImplementedError
+
+    def _wait_rejoined(self, master: int) -> None:
+        raise NotImplementedError
+
     def resume(self) -> None:
         if self._paused is not None:
-            self.set.resume(self._paused)
+            self.topology.resume(self._paused)
 
     def stop(self) -> None:
-        self.set.stop()
+        self.topology.stop()
+
+
+class ClusterRedis(_Replicated):
+    """A local Redis Cluster (3 masters with a replica each, AOF) under fault."""
+
+    def __init__(self, workdir: Path, stream_keys: list[str], probe: Probe) -> None:
+        super().__init__(stream_keys, probe)
+        self.cluster = self.topology = LocalCluster(
+            workdir, masters=3, replicas=1, appendonly=True,
+            node_timeout_ms=NODE_TIMEOUT_MS).start()
+        self.url = self.cluster.url  # the first masters; any live node is enough to connect
+
+    def _pick(self, rng: random.Random) -> tuple[int, int]:
+        master = rng.choice(self.cluster.master_ports())
+        return master, self.cluster.replica_of(master)
+
+    def _keys_of(self, master: int) -> list[str]:
+        return [k for k in self.stream_keys if self.cluster.master_of(k) == master]
+
+    def _replica_client(self, replica: int) -> redis.Redis:
+        return self.cluster.client(replica, readonly=True)  # else MOVED
+
+    def _wait_promoted(self, master: int, replica: int) -> None:
+        self.cluster.wait_failover(master, replica, timeout=60)
+
+    def _wait_rejoined(self, master: int) -> None:
+        self.cluster.wait_ready(timeout=60)
+
+
+class SentinelRedis(_Replicated):
+    """A local Sentinel set (1 master, 1 replica, 3 Sentinels) under fault."""
+
+    def __init__(self, workdir: Path, stream_keys: list[str], probe: Probe) -> None:
+        super().__init__(stream_keys, probe)
+        self.set = self.topology = LocalSentinelSet(
+            workdir, down_after_ms=NODE_TIMEOUT_MS).start()
+        self.url = self.set.url
+
+    def _pick(self, rng: random.Random) -> tuple[int, int]:
+        master = self.set.master_port_now()
+        replica = self.set.replica_port if master == self.set.master_port else \
+            self.set.master_port
+        return master, replica
+
+    def _keys_of(self, master: int) -> list[str]:
+        return self.stream_keys  # one master holds every stream
+
+    def _replica_client(self, replica: int) -> redis.Redis:
+        return node_client(replica)
+
+    def _wait_promoted(self, master: int, replica: int) -> None:
+        self.set.wait_promoted(replica, timeout=60)
+
+    def _wait_rejoined(self, master: int) -> None:
+        self.set.wait_replica_linked(master, timeout=60)
 
 
 def _while_cut_off(probe: Probe, keys: list[str], rng: random.Random) -> None:
