@@ -285,11 +285,11 @@ def foreign_pending(
     }
 
 
-def unread(group_info: Mapping[str, Any], newest: list[Any]) -> int | None:
+def unread(group_info: Mapping[str, Any], newest: list[Any] | None) -> int | None:
     """How many entries of a stream ``group`` has not read: 0 when the group's last-delivered
     id is at or above the stream's newest entry (``newest``: the reply of
-    ``XREVRANGE key + - COUNT 1``), else ``XINFO GROUPS``' lag (``None`` when Redis cannot
-    tell).
+    ``XREVRANGE key + - COUNT 1``; ``None`` when not known), else ``XINFO GROUPS``' lag
+    (``None`` when Redis cannot tell).
 
     Redis's lag is ``entries-added - entries-read``, and a replica's copy of a group has no
     valid ``entries-read`` (Redis 7.0 does not replicate it with the reads): after a failover
@@ -297,8 +297,8 @@ def unread(group_info: Mapping[str, Any], newest: list[Any]) -> int | None:
     entries short for good, showing a lag that no entry is behind. The id comparison is exact.
     """
     last = group_info.get("last-delivered-id")
-    if not newest or (last is not None and _id_tuple(text(newest[0][0])) <= _id_tuple(
-            text(last))):
+    if newest is not None and (not newest or (last is not None and _id_tuple(
+            text(newest[0][0])) <= _id_tuple(text(last)))):
         return 0
     lag = group_info.get("lag")
     return None if lag is None else int(lag)
