@@ -73,6 +73,7 @@ class ConsumerStats:
     taken_over: int = 0  # pending entries moved to us from another consumer of the group
     lease_losses: int = 0  # claims refused because a partition stream was taken over
     lost: int = 0  # entries that vanished from the stream while pending (receipt ``lost``)
+    resurrected: int = 0  # trimmed entries Redis brought back (acked, not applied again)
 
 
 class Consumer:
@@ -356,6 +357,7 @@ class Consumer:
             self.metrics.claimed(outcomes, time.perf_counter() - started)
         faults.point("consumer.after_commit")
         by_id = {(e.key, e.entry_id): e for e in entries}
+        _warn_resurrected(outcomes, s.group)
         letters, waiting = [], []
         for o in outcomes:
             entry = by_id[(o.delivery.key, o.delivery.entry_id)]
@@ -452,6 +454,18 @@ class Consumer:
 
     def _sleep_backoff(self, err: UnavailableError) -> None:
         self._backoff.sleep(err, self._stop, log)
+
+
+def _warn_resurrected(outcomes: list[inbox.Outcome], group: str) -> None:
+    """Say so when Redis brought back entries that were trimmed (``resurrected``: acked, not
+    applied): a failover without ``WAIT`` or a restored old snapshot; never silent."""
+    back = [o.delivery for o in outcomes if o.outcome == inbox.RESURRECTED]
+    if back:
+        log.warning("%d entries below their streams' trim floor were delivered again (Redis "
+                    "brought back trimmed entries: a failover without WAIT, or an old snapshot)"
+                    "; acknowledged without applying them", len(back),
+                    extra={"group": group, "stream_key": back[0].key,
+                           "entry_id": back[0].entry_id, "resurrected": len(back)})
 
 
 def _letters_of(entry: Entry, o: inbox.Outcome) -> tuple[Entry, str, str]:

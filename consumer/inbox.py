@@ -40,6 +40,7 @@ from outbox_relay.consumer.ordering import (
     DUPLICATE,
     FAILED,
     OUT_OF_ORDER,
+    RESURRECTED,
     SUPERSEDED,
     WAITING,
     AggregateKey,
@@ -49,11 +50,13 @@ from outbox_relay.consumer.ordering import (
     aggregate_key,
     decide_batch,
 )
+from outbox_relay.consumer.prune import entry_key, partition_of
 from outbox_relay.shared.db import is_postgres, json_recordset, now_ms, translate_errors
-from outbox_relay.shared.schema import inbox, inbox_heads
+from outbox_relay.shared.schema import inbox, inbox_heads, stream_trims
 
 __all__ = [
-    "APPLIED", "DEAD", "DUPLICATE", "FAILED", "OUT_OF_ORDER", "SUPERSEDED", "WAITING",
+    "APPLIED", "DEAD", "DUPLICATE", "FAILED", "OUT_OF_ORDER", "RESURRECTED", "SUPERSEDED",
+    "WAITING",
     "AggregateKey", "Delivery", "Outcome", "aggregate_key", "claim",
 ]
 
@@ -105,10 +108,12 @@ def claim(
             lock_keys = sorted({_lock_key(group, d) for d in batch})
             array = cast(lock_keys, postgresql.ARRAY(BigInteger))
             conn.execute(select(func.pg_advisory_xact_lock(func.unnest(array))))
+        seen = _existing(conn, group, [d.event.id for d in batch])
         ledger = Ledger(
-            _existing(conn, group, [d.event.id for d in batch]),
+            seen,
             _heads(conn, group, {k for d in batch if (k := aggregate_key(d.event))}),
             set(blocked or ()),
+            _below_floor(conn, [d for d in batch if d.event.id not in seen and not d.replay]),
         )
         outcomes, ledger = decide_batch(conn, batch, ledger, handlers, group)
         _write(conn, group, outcomes)
@@ -132,6 +137,35 @@ def _existing(conn: Connection, group: str, event_ids: list[str]) -> dict[str, s
         )
         rows = conn.execute(select(*found.c).select_from(given).join(found, true()))
     return {i: (reason or DEAD) if outcome == DEAD else None for i, outcome, reason in rows}
+
+
+def _below_floor(conn: Connection, unseen: list[Delivery]) -> frozenset[str]:
+    """The event ids of ``unseen`` (deliveries without a receipt) whose entry id is below their
+    stream's trim floor (``outbox_stream_trims``): ``resurrected``, never applied again.
+
+    Read after the receipts, in the same transaction: a receipt is pruned only below the floor
+    its pruner read, and floors only rise, so a receipt missing from :func:`_existing` had its
+    floor committed before this read sees it. An inbox in another database than the outbox
+    has no floors: nothing is below, and its receipts are never pruned by floor
+    (consumer/prune.py)."""
+    wanted: dict[tuple[str, int], list[Delivery]] = {}
+    for d in unseen:
+        partition = partition_of(d.key)
+        if partition is not None:
+            wanted.setdefault(partition, []).append(d)
+    if not wanted:
+        return frozenset()
+    pair = tuple_(stream_trims.c.stream, stream_trims.c.partition)
+    rows = conn.execute(select(stream_trims.c.stream, stream_trims.c.partition,
+                               stream_trims.c.floor_entry_id).where(pair.in_(list(wanted))))
+    below: set[str] = set()
+    for stream, partition, floor_id in rows:
+        floor = entry_key(floor_id)
+        if floor is None:
+            continue
+        below.update(d.event.id for d in wanted[(stream, partition)]
+                     if (entry := entry_key(d.entry_id)) is not None and entry < floor)
+    return frozenset(below)
 
 
 def _heads(

@@ -72,7 +72,7 @@ CONSUMER_NAMES = {
 }
 # Exported with their event type by outbox_consumer_outcomes_total instead.
 OUTCOME_FIELDS = frozenset({"applied", "duplicates", "superseded", "dead", "out_of_order",
-                            "failed", "waiting"})
+                            "failed", "waiting", "resurrected"})
 
 HYGIENE_NAMES = {
     "consumers_removed": ("consumers_removed",

@@ -2,7 +2,9 @@
 
 The vocabulary of outcomes lives here (and is re-exported by :mod:`consumer.inbox`, whose
 claim transaction calls :func:`decide_batch`); this module runs handlers but issues no SQL of
-its own. For each delivery, in this order: a known event id is a ``duplicate``; a delivery of
+its own. For each delivery, in this order: a known event id is a ``duplicate``; an entry the
+claim found below its stream's trim floor without a receipt is ``resurrected`` (see
+:data:`RESURRECTED`); a delivery of
 a *blocked* aggregate (an earlier strict event of it failing or waiting) is ``waiting``, also
 a ``latest`` one (it would raise the head past the strict event);
 a delivery the daemon marked dead is ``dead``; a revision below the group's applied head is
@@ -30,6 +32,12 @@ log = logging.getLogger(__name__)
 APPLIED, DUPLICATE, SUPERSEDED = "applied", "duplicate", "superseded"
 DEAD, FAILED, WAITING = "dead", "failed", "waiting"
 OUT_OF_ORDER = "out_of_order"  # the reason of a strict event older than the applied head
+RESURRECTED = "resurrected"
+"""An entry below its stream's trim floor, delivered again without its receipt: acknowledged,
+never applied. The relay trims only what every group has acknowledged, and a receipt is pruned
+only below the floor, so such an entry was settled by this group before it was trimmed; Redis
+brought it back (a replica promoted without ``WAIT`` still held entries its old master had
+trimmed, with the group's older position; or an old snapshot was restored)."""
 
 AggregateKey = tuple[str, str]
 
@@ -88,9 +96,10 @@ class Ledger:
     seen: dict[str, str | None]  # event id -> the reason of its dead receipt, else None
     heads: dict[AggregateKey, int]
     blocked: set[AggregateKey] = field(default_factory=set)
+    resurrected: frozenset[str] = frozenset()  # event ids below their stream's trim floor
 
     def copy(self) -> Ledger:
-        return Ledger(dict(self.seen), dict(self.heads), set(self.blocked))
+        return Ledger(dict(self.seen), dict(self.heads), set(self.blocked), self.resurrected)
 
 
 def decide_batch(
@@ -131,6 +140,8 @@ def _decide(
     if event.id in ledger.seen:
         reason = ledger.seen[event.id]
         return Outcome(d, DUPLICATE, reason, ledger.heads.get(key) if reason and key else None)
+    if event.id in ledger.resurrected and not d.replay:
+        return Outcome(d, RESURRECTED)
     strict = handlers.ordering(event.type) == "strict"
     if key is not None and key in ledger.blocked and not d.replay:
         # A latest event waits too: applied now, it would raise the head past the failing

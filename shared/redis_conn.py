@@ -9,7 +9,10 @@ from typing import Any, cast
 from urllib.parse import SplitResult, parse_qs, unquote, urlsplit
 
 import redis
+from redis.backoff import ExponentialWithJitterBackoff
+from redis.cluster import ClusterNode, RedisCluster
 from redis.exceptions import NoPermissionError
+from redis.retry import Retry
 
 from outbox_relay.shared.errors import CannotConnectError, ConfigError, UnavailableError
 from outbox_relay.shared.redaction import redact_url
@@ -95,10 +98,6 @@ def cluster_client(url: str, *, timeout_s: float = 5.0) -> redis.Redis:
     modules that must act differently ask :func:`is_cluster`. Raises ``unavailable`` when no
     listed node answers (the daemons wait for one at start-up, see cli/startup.py).
     """
-    from redis.backoff import ExponentialWithJitterBackoff
-    from redis.cluster import ClusterNode, RedisCluster
-    from redis.retry import Retry
-
     shape = "redis+cluster://[user:password@]host[:port],…"
     parts, addresses, path, _query = _split_hosts_url(url, CLUSTER_PORT, shape, known=set())
     if path not in ([], ["0"]):
@@ -122,8 +121,6 @@ def cluster_client(url: str, *, timeout_s: float = 5.0) -> redis.Redis:
 
 def is_cluster(client: redis.Redis) -> bool:
     """Whether ``client`` talks to a Redis Cluster (see :func:`cluster_client`)."""
-    from redis.cluster import RedisCluster
-
     return isinstance(client, RedisCluster)
 
 

@@ -11,18 +11,26 @@ inflicts its faults when the chaos loop asks (:meth:`Broker.inflict`):
 
 A failover first cuts the replica off its master's replication stream
 (:meth:`LocalCluster.cut_off`) and, while the load goes on, commits a burst of events to the
-master's partition streams and waits until the outbox marked them delivered or 1-5 s passed;
-then it kills the master: the replica is promoted without what the master took meanwhile. Right
-after the kill, while the replica is still a replica (checked: otherwise the measurement is
-dropped and counted as unmeasured), the harness counts the entries the outbox had marked
-delivered on that master's streams that the replica does not hold (:meth:`Probe.lacked`). An
-entry the replica lacks has an id above the replica's ``last-generated-id`` (replication is
-ordered, and the relay's ids only grow), so trimmed entries are never mistaken for lost ones.
-With ``OUTBOX_WAIT_REPLICAS=1`` the relay marks nothing a replica has not confirmed, so that
-count must be 0 (the harness makes any other count a violation); without it the burst makes it
-above 0, and the relay's repair must put every such entry back (the final check finds nothing
-lost). The killed master is restarted and rejoins as a replica of the promoted one before the
-next fault.
+master's partition streams and waits until the outbox marked them delivered or 1-5 s passed,
+restarting dead daemons meanwhile (the chaos loop's ``tend``: the failover holds the loop);
+the count of burst events marked by then is recorded. Then it kills the master: the replica is
+promoted without what the master took meanwhile. Right after the kill, while the replica is
+still a replica (checked: otherwise the measurement is dropped and counted as unmeasured), the
+harness counts the entries the outbox had marked delivered on that master's streams that the
+replica does not hold (:meth:`Probe.lacked`). An entry the replica lacks has an id above the
+replica's ``last-generated-id`` (replication is ordered, and the relay's ids only grow), so
+trimmed entries are never mistaken for lost ones.
+
+With ``OUTBOX_WAIT_REPLICAS=1`` the relay marks nothing a replica has not confirmed, and the
+only replica is cut off: both the burst marked and the lacked count must be 0 (the harness
+makes any other count a violation). Without it every burst event marked before the kill was
+appended after the cut-off, so the lacked count is at least the marked count (anything less
+is a violation: the probe would be measuring nothing), and the relay's repair must put every
+lacked entry back (the final check finds nothing lost). A failover whose burst was not marked
+at all in time (``expect_marks``: without WAIT) would test nothing: it is called off (the
+replica resumes and catches up; counted as ``aborted``) and tried again a second later, as is
+one that picked a cluster master holding no partition of the burst's stream. The
+killed master is restarted and rejoins as a replica of the promoted one before the next fault.
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -55,8 +64,12 @@ class Probe(Protocol):
         """Commit a few events whose partition streams are among ``keys``; their ids."""
         ...
 
-    def all_marked(self, event_ids: list[str]) -> bool:
-        """Whether the outbox marked every one of ``event_ids`` delivered."""
+    def can_burst(self, keys: list[str]) -> bool:
+        """Whether :meth:`burst` would commit anything to ``keys``."""
+        ...
+
+    def marked(self, event_ids: list[str]) -> int:
+        """How many of ``event_ids`` the outbox marked delivered."""
         ...
 
     def lacked(self, replica: redis.Redis, keys: list[str]) -> int:
@@ -71,7 +84,9 @@ class FailoverTally:
 
     failovers: int = 0
     lacked: list[int] = field(default_factory=list)  # per measured failover
+    marked: list[int] = field(default_factory=list)  # burst events marked before each kill
     unmeasured: int = 0  # the replica was promoted before the measurement finished
+    aborted: int = 0  # called off: no burst event was marked in time (without WAIT)
 
 
 class Broker(Protocol):
@@ -83,7 +98,10 @@ class Broker(Protocol):
 
     def client(self) -> redis.Redis: ...
 
-    def inflict(self, fault: str, rng: random.Random) -> bool: ...
+    def inflict(self, fault: str, rng: random.Random, tend: Callable[[], None]) -> bool:
+        """Inflict ``fault``; False if nothing was done (try again soon). ``tend`` restarts
+        dead daemons: call it while waiting on them."""
+        ...
 
     def resume(self) -> None: ...
 
@@ -105,7 +123,7 @@ class SingleRedis:
     def client(self) -> redis.Redis:
         return self.server.client()
 
-    def inflict(self, fault: str, rng: random.Random) -> bool:
+    def inflict(self, fault: str, rng: random.Random, tend: Callable[[], None]) -> bool:
         """False (nothing done) for an empty restart while Redis holds no stream entry yet:
         losing nothing would prove nothing about the repair."""
         if fault == "redis.restart_empty" and not self._stream_entries():
@@ -151,9 +169,10 @@ class _Replicated:
     topology: LocalCluster | LocalSentinelSet
     url: str
 
-    def __init__(self, stream_keys: list[str], probe: Probe) -> None:
+    def __init__(self, stream_keys: list[str], probe: Probe, expect_marks: bool) -> None:
         self.stream_keys = stream_keys
         self.probe = probe
+        self.expect_marks = expect_marks
         self.failovers = FailoverTally()
         self._paused: int | None = None
         self._client: redis.Redis | None = None
@@ -164,7 +183,7 @@ class _Replicated:
             self._client = connect_redis(self.url, timeout_s=5)
         return self._client
 
-    def inflict(self, fault: str, rng: random.Random) -> bool:
+    def inflict(self, fault: str, rng: random.Random, tend: Callable[[], None]) -> bool:
         master, replica = self._pick(rng)
         log.info("broker fault: %s of the master on %d", fault, master)
         if fault == "redis.stall":
@@ -175,8 +194,16 @@ class _Replicated:
             self._paused = None
             return True
         keys = self._keys_of(master)
+        if self.expect_marks and not self.probe.can_burst(keys):
+            return False  # a master without a burst stream: pick again soon
         self.topology.cut_off(replica)
-        _while_cut_off(self.probe, keys, rng)
+        marked = _while_cut_off(self.probe, keys, rng, tend)
+        if self.expect_marks and marked == 0:
+            log.info("failover called off: no burst event was marked in time")
+            self.topology.resume(replica)
+            self.topology.wait_replica_synced(replica, timeout=60)
+            self.failovers.aborted += 1
+            return False
         self.topology.kill(master)
         self.topology.resume(replica)
         with self._replica_client(replica) as client:
@@ -184,6 +211,7 @@ class _Replicated:
             still_replica = client.info("replication").get("role") == "slave"
         if still_replica:
             self.failovers.lacked.append(lacked)
+            self.failovers.marked.append(marked)
         else:  # promoted before the measurement ended: it might have taken writes already
             self.failovers.unmeasured += 1
         self._wait_promoted(master, replica)
@@ -218,8 +246,9 @@ class _Replicated:
 class ClusterRedis(_Replicated):
     """A local Redis Cluster (3 masters with a replica each, AOF) under fault."""
 
-    def __init__(self, workdir: Path, stream_keys: list[str], probe: Probe) -> None:
-        super().__init__(stream_keys, probe)
+    def __init__(self, workdir: Path, stream_keys: list[str], probe: Probe,
+                 expect_marks: bool) -> None:
+        super().__init__(stream_keys, probe, expect_marks)
         self.cluster = self.topology = LocalCluster(
             workdir, masters=3, replicas=1, appendonly=True,
             node_timeout_ms=NODE_TIMEOUT_MS).start()
@@ -245,8 +274,9 @@ class ClusterRedis(_Replicated):
 class SentinelRedis(_Replicated):
     """A local Sentinel set (1 master, 1 replica, 3 Sentinels) under fault."""
 
-    def __init__(self, workdir: Path, stream_keys: list[str], probe: Probe) -> None:
-        super().__init__(stream_keys, probe)
+    def __init__(self, workdir: Path, stream_keys: list[str], probe: Probe,
+                 expect_marks: bool) -> None:
+        super().__init__(stream_keys, probe, expect_marks)
         self.set = self.topology = LocalSentinelSet(
             workdir, down_after_ms=NODE_TIMEOUT_MS).start()
         self.url = self.set.url
@@ -270,14 +300,21 @@ class SentinelRedis(_Replicated):
         self.set.wait_replica_linked(master, timeout=60)
 
 
-def _while_cut_off(probe: Probe, keys: list[str], rng: random.Random) -> None:
+def _while_cut_off(
+    probe: Probe, keys: list[str], rng: random.Random, tend: Callable[[], None]
+) -> int:
     """While the replica is cut off: commit a burst of events to the master's streams and give
     the relays until they marked all of them, or the cut-off's random length, whichever comes
-    first. Without ``WAIT`` they mark at once and the promoted replica will lack them; with it
-    the marks cannot come (no replica confirms), and the cut-off runs its whole length."""
+    first (restarting dead daemons meanwhile); how many were marked. Without ``WAIT`` they
+    mark at once and the promoted replica will lack them; with it the marks cannot come (no
+    replica confirms), and the cut-off runs its whole length."""
     ids = probe.burst(keys)
     deadline = time.monotonic() + rng.uniform(*CUT_OFF_S)
-    while time.monotonic() < deadline and not (ids and probe.all_marked(ids)):
+    while True:
+        marked = probe.marked(ids) if ids else 0
+        if marked == len(ids) or time.monotonic() >= deadline:
+            return marked
+        tend()
         time.sleep(0.05)
 
 

@@ -172,7 +172,7 @@ class Chaos:
     def _broker_fault(self, fault: str) -> bool:
         """Inflict ``fault`` (:meth:`torture.brokers.Broker.inflict`); False if nothing was
         done (try again soon)."""
-        if not self.broker.inflict(fault, self.rng):
+        if not self.broker.inflict(fault, self.rng, self._reap_and_restart):
             return False
         self.tally.faults[fault] += 1
         return True

@@ -22,6 +22,7 @@ import redis
 
 FAULT_LINE = re.compile(rb"outbox-fault: ([a-z_.]+) pid=")
 REPAIR_LINE = re.compile(rb"repair: (refill|rebuild) \S+ \(\w+\): (\d+) entries")
+RESURRECTED_LINE = re.compile(rb"(\d+) entries below their streams' trim floor were delivered")
 
 
 def free_port() -> int:
@@ -107,10 +108,16 @@ class Child:
 
     def repaired_entries(self) -> int:
         """Entries this role's relays appended back (from every incarnation's log)."""
-        return sum(
-            int(m.group(2)) for log in self.logs if log.exists()
-            for m in REPAIR_LINE.finditer(log.read_bytes())
-        )
+        return self._logged_total(REPAIR_LINE, 2)
+
+    def resurrected_entries(self) -> int:
+        """Trimmed entries Redis brought back that this role's consumers acknowledged without
+        applying (``resurrected``, from every incarnation's log)."""
+        return self._logged_total(RESURRECTED_LINE, 1)
+
+    def _logged_total(self, line: re.Pattern[bytes], group: int) -> int:
+        return sum(int(m.group(group)) for log in self.logs if log.exists()
+                   for m in line.finditer(log.read_bytes()))
 
 
 class RedisServer:

@@ -399,3 +399,48 @@ def test_a_batch_appended_but_never_marked_is_not_trimmed_before_its_retry(
             outbox.c.event_id.in_(list(appended)))).all())
     assert marked == appended
     assert redis_client.xreadgroup("g", "c1", {key: ">"}) == []  # nothing delivered twice
+
+
+def test_trimmed_entries_redis_brings_back_without_receipts_are_acknowledged_never_applied(
+    engine: Engine, redis_client: redis.Redis, key_prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A replica promoted without WAIT can still hold entries its old master trimmed, with the
+    group's older position; by then retention may have pruned their receipts. Below the trim
+    floor they are ``resurrected``: acknowledged, never applied a second time."""
+    _enqueue(engine, key_prefix, 0, 10)
+    key = _key(key_prefix)
+    applied: list[str] = []
+    handlers = Handlers()
+    handlers.on("thing.done")(lambda conn, event: applied.append(event.id))
+    consumer = _consumer(engine, key_prefix, handlers)
+    consumer.run_once(block_ms=10)  # creates the group
+    relay = _relay(engine, redis_client, key_prefix)
+    consumer.run_once(block_ms=10)
+    assert len(applied) == 10
+    before = redis_client.xrange(key)  # what the replica still holds
+    assert relay.trimmer.trim(STREAM, 0, epoch=_epoch(relay)) == 10
+    assert entry_ids.greater(store.trim_floor(engine, STREAM, 0), before[-1][0].decode())
+    with engine.begin() as conn:  # what retention does to receipts below the floor
+        conn.execute(inbox.delete().where(inbox.c.group_name == "g"))
+    # The failover: the promoted replica has the trimmed entries and the group's old position.
+    redis_client.delete(key)
+    for entry_id, fields in before:
+        redis_client.xadd(key, fields, id=entry_id)
+    redis_client.xgroup_create(key, "g", id="0")
+    fresh = {**before[0][1], b"id": b"evt-fresh"}  # a new event, above the floor
+    redis_client.xadd(key, fresh)
+
+    consumer._pass_due = True
+    with caplog.at_level("WARNING", logger="outbox_relay.consumer.daemon"):
+        consumer.run_once(block_ms=10)
+
+    assert applied[10:] == ["evt-fresh"]
+    assert consumer.stats.resurrected == 10
+    assert streams.group_pending(redis_client, [key], "g")[key] == 0
+    assert redis_client.xinfo_groups(key)[0]["last-delivered-id"] == redis_client.xinfo_stream(
+        key)["last-generated-id"]
+    with engine.connect() as conn:  # no receipt for what was not applied
+        assert conn.execute(select(inbox.c.event_id).where(
+            inbox.c.group_name == "g")).scalars().all() == ["evt-fresh"]
+    assert any("10 entries below their streams' trim floor" in r.getMessage()
+               for r in caplog.records)

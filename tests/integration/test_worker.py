@@ -144,8 +144,10 @@ def test_heartbeat_keeps_a_stage_longer_than_the_lease_alive(
     engine: Engine, database_url: str, redis_client: redis.Redis, key_prefix: str,
     tmp_path: Path,
 ) -> None:
-    p = make_stack(engine, database_url, redis_client, key_prefix, tmp_path, ttl=400,
-                      heartbeat=80, durations_ms={jobs.DRAFTING: 1_500})
+    # A lease of 1 s: a new run's lease also bounds how long its first pickup may take, and
+    # on a loaded 2-core machine the first round (connections, group creation) took 0.4 s.
+    p = make_stack(engine, database_url, redis_client, key_prefix, tmp_path, ttl=1_000,
+                   heartbeat=100, durations_ms={jobs.DRAFTING: 2_500})
     swept: list[int] = []
     try:
         p.create("r1")
