@@ -107,8 +107,8 @@ class ConsumerMetrics:
         outcomes = Counter(
             f"{NAMESPACE}_outcomes",
             "Claimed deliveries by event type and outcome (applied, duplicate, superseded, "
-            "dead, failed, waiting); reason: why dead (unknown_type, max_deliveries, "
-            "out_of_order …) or the failing handler's error.",
+            "dead, failed, waiting, resurrected); reason: why dead (unknown_type, "
+            "max_deliveries, out_of_order …) or the failing handler's error.",
             ["group", "type", "outcome", "reason"], registry=self.registry)
         claim = Histogram(
             f"{NAMESPACE}_claim_duration_seconds",

@@ -180,6 +180,17 @@ class World:
 
         wait_until(step, timeout=timeout, what=f"{count} effects")
 
+    def settle_then_pick_master(self, count: int = 50) -> tuple[int, int, list[int]]:
+        """Deliver and apply ``count`` events, then the master holding partition 0, its replica
+        (caught up: everything so far is on it) and the partitions that master holds."""
+        self.enqueue(count)
+        self.relay_all()
+        self.consume_until(count)
+        master = self.cluster.master_of(stream_key(self.prefix, 0))
+        replica = self.cluster.replica_of(master)
+        self.cluster.wait_replica_synced(replica)
+        return master, replica, partitions_on(self.cluster, self.prefix, master)
+
     def assert_exactly_once_in_order(self) -> None:
         """Every row delivered, each stream exactly the outbox's delivered rows (no entry twice,
         none missing), every event applied once, each aggregate in revision order."""
@@ -290,16 +301,10 @@ def test_failover_with_wait_keeps_everything_marked_delivered(
 ) -> None:
     cluster = fresh_cluster
     world = World(engine, cluster, key_prefix, wait_replicas=1, wait_timeout_ms=500)
-    world.enqueue(50)
-    world.relay_all()
-    world.consume_until(50)
-    master = cluster.master_of(stream_key(key_prefix, 0))
-    replica = cluster.replica_of(master)
-    mine = partitions_on(cluster, key_prefix, master)
+    master, replica, mine = world.settle_then_pick_master()
 
     # The replica is cut off its master's replication stream: a batch appended to the master
     # now is not confirmed by WAIT 1 and stays unmarked (the round stops at that batch).
-    cluster.wait_replica_synced(replica)
     cluster.cut_off(replica)
     try:
         world.enqueue(AGGREGATES)
@@ -332,13 +337,7 @@ def test_failover_without_wait_is_repaired_from_the_outbox(
 ) -> None:
     cluster = fresh_cluster
     world = World(engine, cluster, key_prefix)
-    world.enqueue(50)
-    world.relay_all()
-    world.consume_until(50)
-    master = cluster.master_of(stream_key(key_prefix, 0))
-    replica = cluster.replica_of(master)
-    mine = partitions_on(cluster, key_prefix, master)
-    cluster.wait_replica_synced(replica)
+    master, replica, mine = world.settle_then_pick_master()
     synced = delivered_rows(engine)
 
     # Delivered, marked and consumed while the replica takes nothing: lost with the master.
