@@ -1,0 +1,36 @@
+"""The torture reads counts from its daemons' logs (torture/procs.py): the lines it matches are
+the ones the daemons write, formatted by our own log handler."""
+
+from __future__ import annotations
+
+import io
+import logging
+from datetime import UTC, datetime
+from pathlib import Path
+
+from outbox_relay.consumer import daemon, inbox
+from outbox_relay.shared.envelope import Event
+from outbox_relay.shared.logs import make_handler
+from torture.procs import Child
+
+
+def _outcome(entry_id: str) -> inbox.Outcome:
+    event = Event(id=f"e-{entry_id}", type="t", source="tests", time=datetime.now(UTC), data={})
+    return inbox.Outcome(inbox.Delivery("p:{s:0}", entry_id, event, 1), inbox.RESURRECTED)
+
+
+def test_resurrected_entries_are_counted_from_the_consumers_own_warning(tmp_path: Path) -> None:
+    written = io.StringIO()
+    handler = make_handler("text", written)
+    logger = logging.getLogger("outbox_relay.consumer.daemon")
+    logger.addHandler(handler)
+    try:
+        daemon._warn_resurrected([_outcome("1-1"), _outcome("1-2"), _outcome("1-3")], "g")
+        daemon._warn_resurrected([_outcome("2-1")], "g")
+        daemon._warn_resurrected([], "g")  # nothing came back: nothing said
+    finally:
+        logger.removeHandler(handler)
+    log = tmp_path / "consumer-0.00001.log"
+    log.write_text(written.getvalue())
+    child = Child("consumer-0", "consumer", [], {}, tmp_path, logs=[log])
+    assert child.resurrected_entries() == 4
