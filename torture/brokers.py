@@ -28,7 +28,7 @@ appended after the cut-off, so the lacked count is at least the marked count (an
 is a violation: the probe would be measuring nothing), and the relay's repair must put every
 lacked entry back (the final check finds nothing lost). A failover whose burst was not marked
 at all in time (``expect_marks``: without WAIT) would test nothing: it is called off (the
-replica resumes and catches up; counted as ``aborted``) and tried again a second later, as is
+replica resumes and reconnects; counted as ``aborted``) and tried again a second later, as is
 one that picked a cluster master holding no partition of the burst's stream. The
 killed master is restarted and rejoins as a replica of the promoted one before the next fault.
 """
@@ -47,7 +47,7 @@ import redis
 
 from outbox_relay.shared.redis_conn import connect_redis
 from torture.procs import RedisServer
-from torture.redis_sets import LocalCluster, LocalSentinelSet, node_client
+from torture.redis_sets import LocalCluster, LocalSentinelSet, node_client, wait_for
 
 log = logging.getLogger("torture")
 
@@ -201,7 +201,7 @@ class _Replicated:
         if self.expect_marks and marked == 0:
             log.info("failover called off: no burst event was marked in time")
             self.topology.resume(replica)
-            self.topology.wait_replica_synced(replica, timeout=60)
+            self._wait_relinked(master, replica)
             self.failovers.aborted += 1
             return False
         self.topology.kill(master)
@@ -219,6 +219,17 @@ class _Replicated:
         self._wait_rejoined(master)
         self.failovers.failovers += 1
         return True
+
+    def _wait_relinked(self, master: int, replica: int) -> None:
+        """After a called-off failover: wait until the resumed replica is linked to its master
+        again, seen from both sides (the next cut-off closes that link). Right after
+        ``SIGCONT`` the replica may still report its old, closed link as up, so the master must
+        list it too; its offset is not waited for (under load it never stays equal)."""
+        def linked() -> bool:
+            return (int(self.topology.replication(master).get("connected_slaves", 0)) >= 1
+                    and self.topology.replication(replica).get("master_link_status") == "up")
+
+        wait_for(linked, timeout=60, what=f"the replica on {replica} to reconnect")
 
     def _pick(self, rng: random.Random) -> tuple[int, int]:
         raise NotImplementedError
@@ -312,7 +323,7 @@ def _while_cut_off(
     deadline = time.monotonic() + rng.uniform(*CUT_OFF_S)
     while True:
         marked = probe.marked(ids) if ids else 0
-        if marked == len(ids) or time.monotonic() >= deadline:
+        if (ids and marked == len(ids)) or time.monotonic() >= deadline:
             return marked
         tend()
         time.sleep(0.05)
