@@ -155,8 +155,11 @@ def test_scraped_numbers_match_the_database_and_redis(
                 assert 0 <= total(during, "outbox_relay_rows_delivered_total") <= n + 1
                 wait_until(lambda: sum(receipts(engine).values()) == n + 1, timeout=60,
                            what="every event claimed")
-            # The consumer stopped: its gauges and counters hold still while compared.
-            r, c = scrape(relay_port.port), scrape(consumer_port.port)
+            # The consumer stopped: its gauges and counters hold still while compared. The
+            # consumer can claim a batch before the relay marked it (the XADD comes first),
+            # and the relay counts a batch after its mark commits: wait for the relay's count.
+            r = relay_counted(relay_port.port, engine, n + 1)
+            c = scrape(consumer_port.port)
             assert total(r, "outbox_relay_backlog_rows") == undelivered(engine) == 0
             assert total(r, "outbox_relay_rows_delivered_total") == delivered(engine) == n + 1
             assert total(r, "outbox_relay_batch_size_sum") == n + 1
@@ -203,8 +206,22 @@ def test_scraped_numbers_match_the_database_and_redis(
                 c, "outbox_consumer_pending_entries")
             assert all(v >= 0 for v in by_partition(
                 c, "outbox_consumer_oldest_pending_age_seconds").values())
-            r = scrape(relay_port.port)
+            r = relay_counted(relay_port.port, engine, n + 41)
             assert total(r, "outbox_relay_rows_delivered_total") == delivered(engine) == n + 41
+
+
+def relay_counted(port: int, engine: Engine, rows: int) -> Samples:
+    """A scrape of the relay once the database has ``rows`` delivered and the relay's
+    delivered counter says as many (it counts a batch right after its mark commits); a
+    counter that never gets there fails the wait."""
+    got: Samples = []
+
+    def counted() -> bool:
+        got[:] = scrape(port)
+        return delivered(engine) == rows and total(got, "outbox_relay_rows_delivered_total") == rows
+
+    wait_until(counted, timeout=30, what=f"the relay to count {rows} delivered rows")
+    return got
 
 
 class Server:
