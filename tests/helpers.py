@@ -7,6 +7,7 @@ condition), stream readers, a test table handlers write their effects to, and a 
 
 from __future__ import annotations
 
+import json
 import shutil
 import socket
 import subprocess
@@ -22,6 +23,7 @@ import redis
 from sqlalchemy import Column, Connection, Engine, Integer, MetaData, String, Table, select
 
 from outbox_relay.producer import Producer
+from outbox_relay.relay.outgoing import OutboxRow
 from outbox_relay.shared import keys
 from outbox_relay.shared.envelope import Event
 from outbox_relay.shared.schema import outbox
@@ -237,3 +239,20 @@ def outbox_rows(engine: Engine) -> list[Any]:
 def undelivered(engine: Engine) -> int:
     """Outbox rows not yet marked delivered."""
     return sum(1 for r in outbox_rows(engine) if r.delivered_at_ms is None)
+
+
+TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+
+
+def outbox_row(**overrides: Any) -> OutboxRow:
+    """An outbox row as the relay takes it, every optional column set (``overrides`` change
+    any of them): what the relay's wire encoders are checked on."""
+    values: dict[str, Any] = {
+        "seq": 7, "event_id": "o-1:order.placed:3", "stream": "orders", "partition": 0,
+        "aggregate_type": "order", "aggregate_id": "o-1", "revision": 3,
+        "type": "order.placed", "source": "shop", "payload": '{"total":42,"note":"é"}',
+        "headers": json.dumps({"traceparent": TRACEPARENT, "tracestate": "k=v"}),
+        "created_at_ms": 1_764_000_000_123, "entry_id": "1764000000123-7",
+    }
+    values.update(overrides)
+    return OutboxRow(**values)

@@ -12,8 +12,9 @@ from hypothesis import strategies as st
 
 from outbox_relay.relay.append import batch_json, entry_json, to_fields
 from outbox_relay.relay.outgoing import OutboxRow
+from tests.helpers import TRACEPARENT
+from tests.helpers import outbox_row as _row
 
-TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 CHECK = settings(max_examples=300, deadline=None, database=None,
                  suppress_health_check=[HealthCheck.too_slow])
 
@@ -75,18 +76,6 @@ def reference(batch: list[OutboxRow]) -> str:
     """The argument as it was written before: the fields dict, flattened, one ``json.dumps``."""
     return json.dumps([[r.entry_id, [x for kv in to_fields(r).items() for x in kv]]
                        for r in batch], ensure_ascii=False, separators=(",", ":"))
-
-
-def _row(**overrides: Any) -> OutboxRow:
-    values: dict[str, Any] = {
-        "seq": 7, "event_id": "o-1:order.placed:3", "stream": "orders", "partition": 0,
-        "aggregate_type": "order", "aggregate_id": "o-1", "revision": 3,
-        "type": "order.placed", "source": "shop", "payload": '{"total":42,"note":"é"}',
-        "headers": json.dumps({"traceparent": TRACEPARENT, "tracestate": "k=v"}),
-        "created_at_ms": 1_764_000_000_123, "entry_id": "1764000000123-7",
-    }
-    values.update(overrides)
-    return OutboxRow(**values)
 
 
 def _valid_dates(row: OutboxRow) -> bool:

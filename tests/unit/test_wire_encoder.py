@@ -11,26 +11,13 @@ import pytest
 from outbox_relay.relay.append import to_fields
 from outbox_relay.relay.outgoing import OutboxRow
 from outbox_relay.shared.envelope import Event
-
-TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
-
-
-def _row(**overrides: object) -> OutboxRow:
-    values: dict[str, object] = {
-        "seq": 1, "event_id": "o-1:order.placed:3", "stream": "orders", "partition": 0,
-        "aggregate_type": "order", "aggregate_id": "o-1", "revision": 3,
-        "type": "order.placed", "source": "shop", "payload": '{"total":42,"note":"é"}',
-        "headers": json.dumps({"traceparent": TRACEPARENT, "tracestate": "k=v"}),
-        "created_at_ms": 1_764_000_000_123, "entry_id": "1764000000123-0",
-    }
-    values.update(overrides)
-    return OutboxRow(**values)  # type: ignore[arg-type]
+from tests.helpers import TRACEPARENT, outbox_row
 
 
 @pytest.mark.parametrize("row", [
-    _row(),
-    _row(aggregate_type=None, aggregate_id=None, revision=None, headers="{}"),
-    _row(headers=json.dumps({"traceparent": TRACEPARENT})),
+    outbox_row(),
+    outbox_row(aggregate_type=None, aggregate_id=None, revision=None, headers="{}"),
+    outbox_row(headers=json.dumps({"traceparent": TRACEPARENT})),
 ], ids=["every-attribute", "no-optional", "traceparent-only"])
 def test_the_relay_and_the_model_encode_the_same_fields(row: OutboxRow) -> None:
     headers = json.loads(row.headers)
