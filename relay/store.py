@@ -16,6 +16,7 @@ import functools
 import json
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import (
@@ -270,23 +271,60 @@ def take_batch(
     """
     with translate_errors(), engine.begin() as conn:
         now = max(now, now_ms())  # the lock may have been waited for (SQLite)
-        if after_seq is not None:
-            lease = _fence(conn, partition, node_id, epoch, now, ttl_ms)
-            assert lease is not None
-            last, batches, db_now = lease
-            return take_fresh(conn, partition, epoch, batch_size, db_now, last, batches,
-                               after_seq=after_seq, inflight=inflight)
-        found = _fence(conn, partition, node_id, epoch, now, ttl_ms, idle_skip=True)
-        if found is None:
-            return []
-        last, batches, db_now = found
-        if batches:
-            rows = recorded_rows(conn, partition, batches, db_now)
+        return _take(conn, partition, node_id, epoch, batch_size, ttl_ms, now,
+                     after_seq=after_seq, inflight=inflight)
+
+
+def take_batches(
+    engine: Engine, node_id: str, leases: dict[int, int], batch_size: int, ttl_ms: int, now: int
+) -> tuple[dict[int, list[OutboxRow]], list[int]]:
+    """:func:`take_batch` (without ``after_seq``) for several partitions in **one**
+    transaction: ``({partition: rows}, [partitions fenced out])``.
+
+    A relay round over the partitions its notifications named takes all of them at once,
+    one commit (and on SQLite one write lock) instead of one per partition. A partition whose
+    fence fails writes nothing (the fence is its first statement and changes no row), so the
+    others still commit. Lease rows are locked in partition order, as :func:`acquire_leases`
+    locks them, so two relays' rounds cannot deadlock.
+    """
+    taken: dict[int, list[OutboxRow]] = {}
+    lost: list[int] = []
+    with translate_errors(), engine.begin() as conn:
+        now = max(now, now_ms())  # the lock may have been waited for (SQLite)
+        for partition in sorted(leases):
+            try:
+                rows = _take(conn, partition, node_id, leases[partition], batch_size, ttl_ms,
+                             now)
+            except LeaseLostError:
+                lost.append(partition)
+                continue
             if rows:
-                return rows
-            batches = []  # their rows are gone: nothing left to retry
+                taken[partition] = rows
+    return taken, lost
+
+
+def _take(
+    conn: Connection, partition: int, node_id: str, epoch: int, batch_size: int, ttl_ms: int,
+    now: int, *, after_seq: int | None = None, inflight: Sequence[int] = (),
+) -> list[OutboxRow]:
+    """The body of :func:`take_batch`, in the caller's transaction."""
+    if after_seq is not None:
+        lease = _fence(conn, partition, node_id, epoch, now, ttl_ms)
+        assert lease is not None
+        last, batches, db_now = lease
         return take_fresh(conn, partition, epoch, batch_size, db_now, last, batches,
-                           force_write=True)
+                          after_seq=after_seq, inflight=inflight)
+    found = _fence(conn, partition, node_id, epoch, now, ttl_ms, idle_skip=True)
+    if found is None:
+        return []
+    last, batches, db_now = found
+    if batches:
+        rows = recorded_rows(conn, partition, batches, db_now)
+        if rows:
+            return rows
+        batches = []  # their rows are gone: nothing left to retry
+    return take_fresh(conn, partition, epoch, batch_size, db_now, last, batches,
+                      force_write=True)
 
 
 def _mark_delivered(
@@ -414,31 +452,73 @@ def settle(
     they are made known (:func:`register_streams`) with the mark, so no delivered row's stream
     is ever unknown to repair checks and trims, whatever crashes.
     """
-    settled = [s for s, _ in delivered] + gaps + [s for s, _ in failed]
+    outcome = Settlement(partition, epoch, delivered, gaps, failed, stream_top, register,
+                         drop_recorded)
     with translate_errors(), engine.begin() as conn:
         now = max(now, now_ms())  # the lock may have been waited for (SQLite)
-        lease = _fence(conn, partition, node_id, epoch, now, ttl_ms)
-        assert lease is not None
-        last, batches, db_now = lease
-        if stream_top is not None and entry_ids.greater(stream_top, last):
-            last = stream_top
-        if delivered:
-            _mark_delivered(conn, partition, delivered, now)
-            if register:
-                _register(conn, register, now)
-        if gaps:
-            conn.execute(_attempted(is_postgres(conn), gap=True),
-                         {"b_part": partition, "b_seqs": gaps, "b_error": "ordering_gap"})
-        if failed:
-            conn.execute(_failed_query(is_postgres(conn)),
-                         [{"b_part": partition, "b_seq": s, "b_error": c} for s, c in failed])
-        through = max(settled, default=-1)
-        batches = [] if drop_recorded else [b for b in batches if b.first_seq > through]
-        if take_after is None:
-            record(conn, partition, epoch, batches, last)
-            return []
-        return take_fresh(conn, partition, epoch, batch_size, db_now, last, batches,
-                           after_seq=take_after, inflight=inflight, force_write=True)
+        return _settle(conn, outcome, node_id, ttl_ms, now, take_after=take_after,
+                       batch_size=batch_size, inflight=inflight)
+
+
+@dataclass(frozen=True)
+class Settlement:
+    """What Redis said about one partition's batch: the arguments of :func:`settle`."""
+
+    partition: int
+    epoch: int
+    delivered: list[tuple[int, str]]
+    gaps: list[int]
+    failed: list[tuple[int, str]]
+    stream_top: str | None = None
+    register: set[tuple[str, int]] | None = None
+    drop_recorded: bool = False
+
+
+def settle_batches(
+    engine: Engine, node_id: str, ttl_ms: int, now: int, outcomes: list[Settlement]
+) -> list[int]:
+    """:func:`settle` (without a take) for several partitions' batches in **one** transaction;
+    returns the partitions fenced out, whose rows stay as they were (their next owner retries
+    the recorded batches under the same ids). Partition order, as in :func:`take_batches`."""
+    lost: list[int] = []
+    with translate_errors(), engine.begin() as conn:
+        now = max(now, now_ms())  # the lock may have been waited for (SQLite)
+        for outcome in sorted(outcomes, key=lambda o: o.partition):
+            try:
+                _settle(conn, outcome, node_id, ttl_ms, now)
+            except LeaseLostError:  # the fence changed nothing: the others still commit
+                lost.append(outcome.partition)
+    return lost
+
+
+def _settle(
+    conn: Connection, o: Settlement, node_id: str, ttl_ms: int, now: int, *,
+    take_after: int | None = None, batch_size: int = 0, inflight: Sequence[int] = (),
+) -> list[OutboxRow]:
+    """The body of :func:`settle`, in the caller's transaction."""
+    partition, epoch = o.partition, o.epoch
+    lease = _fence(conn, partition, node_id, epoch, now, ttl_ms)
+    assert lease is not None
+    last, batches, db_now = lease
+    if o.stream_top is not None and entry_ids.greater(o.stream_top, last):
+        last = o.stream_top
+    if o.delivered:
+        _mark_delivered(conn, partition, o.delivered, now)
+        if o.register:
+            _register(conn, o.register, now)
+    if o.gaps:
+        conn.execute(_attempted(is_postgres(conn), gap=True),
+                     {"b_part": partition, "b_seqs": o.gaps, "b_error": "ordering_gap"})
+    if o.failed:
+        conn.execute(_failed_query(is_postgres(conn)),
+                     [{"b_part": partition, "b_seq": s, "b_error": c} for s, c in o.failed])
+    through = max([s for s, _ in o.delivered] + o.gaps + [s for s, _ in o.failed], default=-1)
+    batches = [] if o.drop_recorded else [b for b in batches if b.first_seq > through]
+    if take_after is None:
+        record(conn, partition, epoch, batches, last)
+        return []
+    return take_fresh(conn, partition, epoch, batch_size, db_now, last, batches,
+                      after_seq=take_after, inflight=inflight, force_write=True)
 
 
 @functools.cache

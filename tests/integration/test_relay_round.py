@@ -1,0 +1,120 @@
+"""A relay round over several partitions: one take and one settle transaction for all of them,
+and a partition fenced out in either leaves the others delivered and itself intact."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import redis
+from sqlalchemy import Engine, event
+
+from outbox_relay.relay import append, store
+from outbox_relay.relay.daemon import Relay
+from outbox_relay.shared.db import now_ms
+from outbox_relay.shared.errors import LeaseLostError
+from tests.helpers import PARTITIONS, enqueue_events, outbox_rows, relay_settings, undelivered
+from tests.integration.test_relay import assert_all_marked, assert_each_once, expire_lease
+
+pytestmark = pytest.mark.integration
+
+TTL = 10_000
+
+
+def fenced_transactions(engine: Engine) -> list[list[str]]:
+    """Record, per committed transaction, the statements it ran; the returned list fills as
+    transactions commit."""
+    done: list[list[str]] = []
+    current: list[str] = []
+
+    def on_execute(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
+        current.append(" ".join(statement.split()))
+
+    def on_commit(_conn: Any) -> None:
+        done.append(current.copy())
+        current.clear()
+
+    event.listen(engine, "before_cursor_execute", on_execute)
+    event.listen(engine, "commit", on_commit)
+    event.listen(engine, "rollback", lambda _conn: current.clear())
+    return done
+
+
+def is_fence(statement: str) -> bool:
+    return statement.startswith("UPDATE outbox_relay_leases") and "RETURNING" in statement
+
+
+def relay_holding_everything(engine: Engine, client: redis.Redis, prefix: str) -> Relay:
+    relay = Relay(relay_settings(prefix, node_id="a", lease_ttl_ms=TTL), engine, client)
+    relay._refresh_leases()  # noqa: SLF001 - hold every partition before the round
+    assert sorted(relay.leases) == list(range(PARTITIONS))
+    return relay
+
+
+def test_a_round_takes_and_settles_all_its_partitions_in_one_transaction_each(
+    engine: Engine, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    ids = enqueue_events(engine, 24, aggregates=8)  # a few rows in every partition
+    assert {r.partition for r in outbox_rows(engine)} == set(range(PARTITIONS))
+    relay = relay_holding_everything(engine, redis_client, key_prefix)
+    transactions = fenced_transactions(engine)
+
+    busy = relay.run_once()
+
+    fenced = [t for t in transactions if any(is_fence(s) for s in t)]
+    assert len(fenced) == 2  # the take and the settle, each fencing every partition once
+    assert [sum(is_fence(s) for s in t) for t in fenced] == [PARTITIONS, PARTITIONS]
+    assert not busy and relay.stats.delivered == 24
+    assert_each_once(redis_client, key_prefix, ids)
+    assert_all_marked(engine, redis_client, key_prefix)
+
+
+def test_a_partition_fenced_out_before_the_take_leaves_the_rest_of_the_round_delivered(
+    engine: Engine, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    ids = enqueue_events(engine, 24, aggregates=8)
+    relay = relay_holding_everything(engine, redis_client, key_prefix)
+    expire_lease(engine, 2)  # relay "a" stalled; "b" took partition 2 over
+    assert list(store.acquire_leases(engine, "b", PARTITIONS, TTL, now_ms())) == [2]
+
+    relay.run_once()
+
+    assert relay.stats.lease_losses == 1 and 2 not in relay.leases
+    left = [r for r in outbox_rows(engine) if r.delivered_at_ms is None]
+    assert left and {r.partition for r in left} == {2}
+    assert all(r.entry_id is None for r in left)  # "a" took nothing there
+    Relay(relay_settings(key_prefix, node_id="b"), engine, redis_client).run(until_idle=True)
+    assert_each_once(redis_client, key_prefix, ids)
+    assert_all_marked(engine, redis_client, key_prefix)
+
+
+def test_a_partition_fenced_out_after_its_append_is_left_to_its_new_owner_by_id(
+    engine: Engine, redis_client: redis.Redis, key_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ids = enqueue_events(engine, 24, aggregates=8)
+    relay = relay_holding_everything(engine, redis_client, key_prefix)
+    real = append.append
+
+    def steal_partition_1_after_its_append(*args: Any, **kwargs: Any) -> append.Verdicts:
+        verdicts = real(*args, **kwargs)
+        if args[2][0].partition == 1:  # appended under "a"'s epoch; "b" takes over now
+            expire_lease(engine, 1)
+            assert list(store.acquire_leases(engine, "b", PARTITIONS, TTL, now_ms())) == [1]
+        return verdicts
+
+    monkeypatch.setattr(append, "append", steal_partition_1_after_its_append)
+    relay.run_once()
+    monkeypatch.setattr(append, "append", real)
+
+    assert relay.stats.lease_losses == 1 and 1 not in relay.leases
+    left = [r for r in outbox_rows(engine) if r.delivered_at_ms is None]
+    assert left and {r.partition for r in left} == {1}  # "a" could not mark them
+    assert relay.stats.delivered == 24 - len(left)
+    with pytest.raises(LeaseLostError):  # and "a" cannot take them again
+        store.take_batch(engine, 1, "a", 1, 100, TTL, now_ms())
+    stats = Relay(relay_settings(key_prefix, node_id="b"), engine, redis_client).run(
+        until_idle=True)
+    assert stats.already_present == len(left)  # retried under the ids "a" appended them with
+    assert undelivered(engine) == 0
+    assert_each_once(redis_client, key_prefix, ids)
+    assert_all_marked(engine, redis_client, key_prefix)
