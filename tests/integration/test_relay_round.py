@@ -46,7 +46,7 @@ def is_fence(statement: str) -> bool:
 
 def relay_holding_everything(engine: Engine, client: redis.Redis, prefix: str) -> Relay:
     relay = Relay(relay_settings(prefix, node_id="a", lease_ttl_ms=TTL), engine, client)
-    relay._refresh_leases()  # noqa: SLF001 - hold every partition before the round
+    relay._refresh_leases()  # hold every partition before the round
     assert sorted(relay.leases) == list(range(PARTITIONS))
     return relay
 
