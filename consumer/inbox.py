@@ -12,6 +12,7 @@ The decisions (order per aggregate, whose fault an error is) are made by
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -20,14 +21,17 @@ from sqlalchemy import (
     BigInteger,
     Connection,
     Engine,
+    Integer,
     String,
     bindparam,
     cast,
     column,
     func,
+    literal,
     select,
     true,
     tuple_,
+    union_all,
     update,
 )
 from sqlalchemy.dialects import postgresql, sqlite
@@ -105,16 +109,9 @@ def claim(
         if check is not None:
             check(conn)
         if is_postgres(conn):
-            lock_keys = sorted({_lock_key(group, d) for d in batch})
-            array = cast(lock_keys, postgresql.ARRAY(BigInteger))
-            conn.execute(select(func.pg_advisory_xact_lock(func.unnest(array))))
-        seen = _existing(conn, group, [d.event.id for d in batch])
-        ledger = Ledger(
-            seen,
-            _heads(conn, group, {k for d in batch if (k := aggregate_key(d.event))}),
-            set(blocked or ()),
-            _below_floor(conn, [d for d in batch if d.event.id not in seen and not d.replay]),
-        )
+            conn.execute(_lock_query(), {"b_keys": sorted({_lock_key(group, d) for d in batch})})
+        seen, heads, below = _lookup(conn, group, batch)
+        ledger = Ledger(seen, heads, set(blocked or ()), below)
         outcomes, ledger = decide_batch(conn, batch, ledger, handlers, group)
         _write(conn, group, outcomes)
     if blocked is not None:
@@ -122,78 +119,141 @@ def claim(
     return outcomes
 
 def _existing(conn: Connection, group: str, event_ids: list[str]) -> dict[str, str | None]:
-    """The group's receipts among ``event_ids``: id -> the reason of a ``dead`` one, else None."""
-    columns = (inbox.c.event_id, inbox.c.outcome, inbox.c.reason)
-    if not is_postgres(conn):
-        rows = conn.execute(select(*columns).where(
-            inbox.c.group_name == group, inbox.c.event_id.in_(set(event_ids))
-        ))
-    else:
-        given = func.unnest(
-            bindparam("b_ids", sorted(set(event_ids)), type_=postgresql.ARRAY(String))
-        ).table_valued("id", name="given").render_derived()
-        found = _probe(
-            select(*columns).where(inbox.c.group_name == group, inbox.c.event_id == given.c.id)
-        )
-        rows = conn.execute(select(*found.c).select_from(given).join(found, true()))
+    """The group's receipts among ``event_ids`` (SQLite; PostgreSQL reads them in
+    :func:`_lookup_query`): id -> the reason of a ``dead`` one, else None."""
+    rows = conn.execute(select(inbox.c.event_id, inbox.c.outcome, inbox.c.reason).where(
+        inbox.c.group_name == group, inbox.c.event_id.in_(set(event_ids))))
     return {i: (reason or DEAD) if outcome == DEAD else None for i, outcome, reason in rows}
 
 
-def _below_floor(conn: Connection, unseen: list[Delivery]) -> frozenset[str]:
-    """The event ids of ``unseen`` (deliveries without a receipt) whose entry id is below their
-    stream's trim floor (``outbox_stream_trims``): ``resurrected``, never applied again.
+def _lookup(
+    conn: Connection, group: str, batch: list[Delivery]
+) -> tuple[dict[str, str | None], dict[AggregateKey, int], frozenset[str]]:
+    """What the claim decides from: the group's receipts among the batch's events
+    (:func:`_existing`), the applied revisions of its aggregates (:func:`_heads`), and the
+    deliveries without a receipt below their stream's trim floor (``resurrected``).
 
-    Read after the receipts, in the same transaction: a receipt is pruned only below the floor
-    its pruner read, and floors only rise, so a receipt missing from :func:`_existing` had its
-    floor committed before this read sees it. An inbox in another database than the outbox
-    has no floors: nothing is below, and its receipts are never pruned by floor
-    (consumer/prune.py)."""
+    On PostgreSQL one statement (:func:`_lookup_query`), where three round trips were most of
+    a small claim's waiting. One statement reads one snapshot, and that is what the floor
+    check needs: a receipt is pruned only below the floor its pruner read (committed before
+    the prune), and floors only rise, so a receipt missing from this snapshot because it was
+    pruned has its floor in it. An inbox in another database than the outbox has no floors:
+    nothing is below, and its receipts are never pruned by floor (consumer/prune.py).
+    """
+    aggregates = {k for d in batch if (k := aggregate_key(d.event))}
     wanted: dict[tuple[str, int], list[Delivery]] = {}
-    for d in unseen:
+    for d in batch:
         partition = partition_of(d.key)
-        if partition is not None:
+        if partition is not None and not d.replay:
             wanted.setdefault(partition, []).append(d)
-    if not wanted:
-        return frozenset()
-    pair = tuple_(stream_trims.c.stream, stream_trims.c.partition)
-    rows = conn.execute(select(stream_trims.c.stream, stream_trims.c.partition,
-                               stream_trims.c.floor_entry_id).where(pair.in_(list(wanted))))
+    if not is_postgres(conn):
+        seen = _existing(conn, group, [d.event.id for d in batch])
+        floors = _floors(conn, wanted) if wanted else {}
+        return seen, _heads(conn, group, aggregates), _below(wanted, floors, seen)
+    types, ids = zip(*sorted(aggregates), strict=True) if aggregates else ((), ())
+    streams, parts = zip(*sorted(wanted), strict=True) if wanted else ((), ())
+    params = {"b_group": group, "b_ids": sorted({d.event.id for d in batch}),
+              "b_types": list(types), "b_aids": list(ids), "b_streams": list(streams),
+              "b_parts": list(parts)}
+    seen, heads, floors = {}, {}, {}
+    for kind, a, b, c, n in conn.execute(_lookup_query(), params):
+        if kind == "r":
+            seen[a] = (c or DEAD) if b == DEAD else None
+        elif kind == "h":
+            heads[(a, b)] = n
+        else:
+            floors[(a, int(b))] = c
+    return seen, heads, _below(wanted, floors, seen)
+
+
+def _below(
+    wanted: dict[tuple[str, int], list[Delivery]], floors: dict[tuple[str, int], str],
+    seen: dict[str, str | None],
+) -> frozenset[str]:
+    """The event ids of deliveries without a receipt whose entry id is below their stream's
+    trim floor: ``resurrected``, never applied again."""
     below: set[str] = set()
-    for stream, partition, floor_id in rows:
+    for pair, floor_id in floors.items():
         floor = entry_key(floor_id)
         if floor is None:
             continue
-        below.update(d.event.id for d in wanted[(stream, partition)]
-                     if (entry := entry_key(d.entry_id)) is not None and entry < floor)
+        below.update(d.event.id for d in wanted.get(pair, ()) if d.event.id not in seen
+                     and (entry := entry_key(d.entry_id)) is not None and entry < floor)
     return frozenset(below)
+
+
+def _floors(
+    conn: Connection, wanted: dict[tuple[str, int], list[Delivery]]
+) -> dict[tuple[str, int], str]:
+    """The trim floors of the batch's partition streams (SQLite; read after the receipts, in
+    the same transaction, for the reason :func:`_lookup` gives)."""
+    pair = tuple_(stream_trims.c.stream, stream_trims.c.partition)
+    rows = conn.execute(select(stream_trims.c.stream, stream_trims.c.partition,
+                               stream_trims.c.floor_entry_id).where(pair.in_(list(wanted))))
+    return {(stream, partition): floor for stream, partition, floor in rows}
+
+
+@functools.cache
+def _lock_query() -> Any:
+    """``SELECT pg_advisory_xact_lock(unnest(:b_keys))``, built once (built per claim with
+    the keys inline, it was compiled and cache-keyed anew every time)."""
+    keys = bindparam("b_keys", type_=postgresql.ARRAY(BigInteger))
+    return select(func.pg_advisory_xact_lock(func.unnest(keys)))
+
+
+@functools.cache
+def _lookup_query() -> Any:
+    """The receipts, heads and floors of a batch in one ``UNION ALL`` (PostgreSQL), built
+    once. Rows are ``(kind, a, b, c, n)``: ``('r', event_id, outcome, reason, NULL)``,
+    ``('h', aggregate_type, aggregate_id, NULL, revision)``, ``('f', stream, partition,
+    floor_entry_id, NULL)``. Receipts and heads are probed key by key (:func:`_probe`)."""
+    group = bindparam("b_group", type_=String)
+    none_text, none_int = cast(None, String), cast(None, BigInteger)
+    given_ids = func.unnest(bindparam("b_ids", type_=postgresql.ARRAY(String))).table_valued(
+        "id", name="given_ids").render_derived()
+    receipt = _probe(select(inbox.c.event_id, inbox.c.outcome, inbox.c.reason).where(
+        inbox.c.group_name == group, inbox.c.event_id == given_ids.c.id))
+    given_heads = func.unnest(
+        bindparam("b_types", type_=postgresql.ARRAY(String)),
+        bindparam("b_aids", type_=postgresql.ARRAY(String)),
+    ).table_valued("t", "i", name="given_heads").render_derived()
+    head = _probe(select(inbox_heads.c.aggregate_type, inbox_heads.c.aggregate_id,
+                         inbox_heads.c.revision).where(
+        inbox_heads.c.group_name == group,
+        inbox_heads.c.aggregate_type == given_heads.c.t,
+        inbox_heads.c.aggregate_id == given_heads.c.i,
+    ), "head")
+    given_pairs = func.unnest(
+        bindparam("b_streams", type_=postgresql.ARRAY(String)),
+        bindparam("b_parts", type_=postgresql.ARRAY(Integer)),
+    ).table_valued("s", "p", name="given_pairs").render_derived()
+    return union_all(
+        select(literal("r"), receipt.c.event_id, receipt.c.outcome, receipt.c.reason, none_int)
+        .select_from(given_ids).join(receipt, true()),
+        select(literal("h"), head.c.aggregate_type, head.c.aggregate_id, none_text,
+               head.c.revision).select_from(given_heads).join(head, true()),
+        select(literal("f"), stream_trims.c.stream, cast(stream_trims.c.partition, String),
+               stream_trims.c.floor_entry_id, none_int)
+        .select_from(given_pairs).join(stream_trims, (stream_trims.c.stream == given_pairs.c.s)
+                                       & (stream_trims.c.partition == given_pairs.c.p)),
+    )
 
 
 def _heads(
     conn: Connection, group: str, aggregates: set[AggregateKey]
 ) -> dict[AggregateKey, int]:
+    """The applied revisions of ``aggregates`` (SQLite; PostgreSQL reads them in
+    :func:`_lookup_query`)."""
     if not aggregates:
         return {}
-    columns = (inbox_heads.c.aggregate_type, inbox_heads.c.aggregate_id, inbox_heads.c.revision)
-    if not is_postgres(conn):
-        keys = tuple_(inbox_heads.c.aggregate_type, inbox_heads.c.aggregate_id)
-        query = select(*columns).where(inbox_heads.c.group_name == group,
-                                       keys.in_(list(aggregates)))
-        return {(t, i): rev for t, i, rev in conn.execute(query)}
-    types, ids = zip(*sorted(aggregates), strict=True)
-    given = func.unnest(
-        bindparam("b_types", list(types), type_=postgresql.ARRAY(String)),
-        bindparam("b_ids", list(ids), type_=postgresql.ARRAY(String)),
-    ).table_valued("t", "i", name="given").render_derived()
-    found = _probe(select(*columns).where(
-        inbox_heads.c.group_name == group,
-        inbox_heads.c.aggregate_type == given.c.t,
-        inbox_heads.c.aggregate_id == given.c.i,
-    ))
-    rows = conn.execute(select(*found.c).select_from(given).join(found, true()))
-    return {(t, i): rev for t, i, rev in rows}
+    keys = tuple_(inbox_heads.c.aggregate_type, inbox_heads.c.aggregate_id)
+    query = select(inbox_heads.c.aggregate_type, inbox_heads.c.aggregate_id,
+                   inbox_heads.c.revision).where(inbox_heads.c.group_name == group,
+                                                 keys.in_(list(aggregates)))
+    return {(t, i): rev for t, i, rev in conn.execute(query)}
 
 
-def _probe(query: Select[Any]) -> Any:
+def _probe(query: Select[Any], name: str = "found") -> Any:
     """``LATERAL (<query> LIMIT 1)``: one primary-key probe per given key (PostgreSQL).
 
     A plain join or ``= ANY(:ids)`` left the plan to the statistics; when they were stale
@@ -202,7 +262,7 @@ def _probe(query: Select[Any]) -> Any:
     at 200,000 rows, measured with ``EXPLAIN ANALYZE``). The LIMIT
     keeps the subquery from being flattened into a join the planner could reorder.
     """
-    return query.limit(1).lateral("found")
+    return query.limit(1).lateral(name)
 
 def _write(conn: Connection, group: str, outcomes: list[Outcome]) -> None:
     now = now_ms()
@@ -265,6 +325,19 @@ def _insert_receipts(conn: Connection, receipts: list[dict[str, Any]]) -> None:
     if not is_postgres(conn):
         conn.execute(inbox.insert(), receipts)
         return
+    conn.execute(
+        _receipts_query(),
+        {
+            "b_rows": [{k: r[k] for k in _RECEIPT_COLUMNS} for r in receipts],
+            "b_group": receipts[0]["group_name"],
+            "b_now": receipts[0]["created_at_ms"],
+        },
+    )
+
+
+@functools.cache
+def _receipts_query() -> Any:
+    """The PostgreSQL insert of :func:`_insert_receipts`, built once."""
     given = json_recordset(
         "b_rows", *(column(name, inbox.c[name].type) for name in _RECEIPT_COLUMNS)
     )
@@ -272,14 +345,7 @@ def _insert_receipts(conn: Connection, receipts: list[dict[str, Any]]) -> None:
         bindparam("b_group", type_=String), *(given.c[name] for name in _RECEIPT_COLUMNS),
         bindparam("b_now", type_=BigInteger),
     )
-    conn.execute(
-        inbox.insert().from_select(["group_name", *_RECEIPT_COLUMNS, "created_at_ms"], rows),
-        {
-            "b_rows": [{k: r[k] for k in _RECEIPT_COLUMNS} for r in receipts],
-            "b_group": receipts[0]["group_name"],
-            "b_now": receipts[0]["created_at_ms"],
-        },
-    )
+    return inbox.insert().from_select(["group_name", *_RECEIPT_COLUMNS, "created_at_ms"], rows)
 
 
 def _upsert_heads(conn: Connection, group: str, heads: dict[tuple[str, str], int]) -> None:
@@ -303,6 +369,13 @@ def _upsert_heads(conn: Connection, group: str, heads: dict[tuple[str, str], int
             ],
         )
         return
+    conn.execute(_heads_query(), {"b_group": group, "b_now": now,
+                                  "b_heads": [{"t": t, "i": i, "r": r} for (t, i), r in ordered]})
+
+
+@functools.cache
+def _heads_query() -> Any:
+    """The PostgreSQL upsert of :func:`_upsert_heads`, built once."""
     given = json_recordset(
         "b_heads", column("t", String), column("i", String), column("r", BigInteger)
     )
@@ -311,12 +384,8 @@ def _upsert_heads(conn: Connection, group: str, heads: dict[tuple[str, str], int
         select(bindparam("b_group", type_=String), given.c.t, given.c.i, given.c.r,
                bindparam("b_now", type_=BigInteger)),
     )
-    conn.execute(
-        ins.on_conflict_do_update(
-            index_elements=["group_name", "aggregate_type", "aggregate_id"],
-            set_={"revision": ins.excluded.revision, "updated_at_ms": ins.excluded.updated_at_ms},
-            where=inbox_heads.c.revision < ins.excluded.revision,
-        ),
-        {"b_group": group, "b_now": now,
-         "b_heads": [{"t": t, "i": i, "r": r} for (t, i), r in ordered]},
+    return ins.on_conflict_do_update(
+        index_elements=["group_name", "aggregate_type", "aggregate_id"],
+        set_={"revision": ins.excluded.revision, "updated_at_ms": ins.excluded.updated_at_ms},
+        where=inbox_heads.c.revision < ins.excluded.revision,
     )
