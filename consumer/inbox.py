@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -35,6 +36,7 @@ from sqlalchemy import (
     update,
 )
 from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.engine import Dialect
 from sqlalchemy.sql import Select
 
 from outbox_relay.consumer.handlers import Handlers
@@ -369,13 +371,22 @@ def _upsert_heads(conn: Connection, group: str, heads: dict[tuple[str, str], int
             ],
         )
         return
-    conn.execute(_heads_query(), {"b_group": group, "b_now": now,
-                                  "b_heads": [{"t": t, "i": i, "r": r} for (t, i), r in ordered]})
+    conn.exec_driver_sql(_heads_sql(conn.dialect), {
+        "b_group": group, "b_now": now,
+        "b_heads": json.dumps([{"t": t, "i": i, "r": r} for (t, i), r in ordered]),
+    })
 
 
 @functools.cache
+def _heads_sql(dialect: Dialect) -> str:
+    """:func:`_heads_query` compiled once per dialect: SQLAlchemy cannot cache-key an
+    ``ON CONFLICT … DO UPDATE … WHERE`` statement, so it compiled this one on every claim (a
+    sixth of a small claim's CPU in a profile at 1,000 events/s)."""
+    return str(_heads_query().compile(dialect=dialect))
+
+
 def _heads_query() -> Any:
-    """The PostgreSQL upsert of :func:`_upsert_heads`, built once."""
+    """The PostgreSQL upsert of :func:`_upsert_heads`."""
     given = json_recordset(
         "b_heads", column("t", String), column("i", String), column("r", BigInteger)
     )
