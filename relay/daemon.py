@@ -1,9 +1,13 @@
 """The relay loop: own partitions, take → append → settle, repeat.
 
-One round per owned partition: :func:`relay.store.take_batch` (one short transaction) →
-:func:`relay.append.append` (one script call per stream, fenced by the lease epoch in Redis, no
-transaction open) → optional durability barrier → :func:`relay.store.settle` (one short
-transaction, fenced by the lease epoch, which also takes the batch after the one in flight).
+A round visits the partitions we hold (on PostgreSQL, those notified since the last round):
+:func:`relay.store.take_batches` takes a batch from each in one short transaction →
+:func:`relay.append.append` per partition (one script call per stream, fenced by the lease
+epoch in Redis, no transaction open) → optional durability barrier →
+:func:`relay.store.settle_batches` marks them all in one short transaction, fenced per
+partition. A partition whose batch came back full has a backlog: it goes on in a chain of its
+own (:meth:`Relay.relay_partition`), where :func:`relay.store.settle` settles a batch and takes
+the one after the batch in flight in the same transaction.
 A batch that does not land whole (a gap, a refusal) ends the partition's round: the batch
 taken after it is never appended, and the next round takes again from the lowest pending
 row, so no row of an aggregate overtakes an earlier one. Failures of Redis or the database back
