@@ -444,4 +444,3 @@ def test_trimmed_entries_redis_brings_back_without_receipts_are_acknowledged_nev
             inbox.c.group_name == "g")).scalars().all() == ["evt-fresh"]
     assert any("10 entries below their streams' trim floor" in r.getMessage()
                for r in caplog.records)
-
