@@ -95,8 +95,12 @@ class Relay:
         self.prune_stats: PruneStats | None = None  # set by cli/prune.py (retention task)
         # Housekeeping between rounds (trimming, retention): see shared/periodic.py.
         self.periodic: list[Periodic] = [
+            # The streams the repair check found and those delivered to since: a stream is
+            # trimmed (and its groups become known, so a Redis loss cannot trim what a group
+            # not yet back never read) from its first delivery, not from the next check.
             Periodic("stream trim", settings.trim_interval_s,
-                     lambda: self.trimmer.run(self.leases, self.repairer.streams)),
+                     lambda: self.trimmer.run(self.leases,
+                                              self.repairer.streams | self._streams_seen)),
             # A stream first written with another partition count would be stranded in part:
             # refuse to run (invalid_config), at the first round and every 30 s.
             Periodic("partition count check", partition_counts.CHECK_INTERVAL_S,

@@ -44,6 +44,9 @@ def render(reports: list[dict[str, Any]]) -> str:
         lines.append(f"\n{r['database']}: kills per fault point")
         lines += [f"  {name:<28} {n:>6}" for name, n in r["kills"].items()]
         lines += [f"  {name:<28} {n:>6}" for name, n in r["infra_faults"].items()]
+        if r.get("destroyed_per_empty_restart"):
+            lines.append("  marked entries destroyed per empty restart: "
+                         + ", ".join(map(str, r["destroyed_per_empty_restart"])))
         lines += [f"  exit.unavailable.{kind:<11} {n:>6}"
                   for kind, n in r.get("unavailable_exits", {}).items()]
         lines.append(retention_line(r))

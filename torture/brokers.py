@@ -5,6 +5,15 @@ inflicts its faults when the chaos loop asks (:meth:`Broker.inflict`):
 
 - :class:`SingleRedis` (``--redis single``): ``redis.kill_persistent`` (SIGKILL, restart from
   its AOF), ``redis.restart_empty`` (restart with nothing) and ``redis.stall`` (SIGSTOP).
+  An empty restart must destroy something the repair has to put back: the harness first
+  stops every write (``CLIENT PAUSE … WRITE``: no append, acknowledgement or trim can move
+  the streams any more), lists the partition streams' entries and counts those the outbox
+  had marked delivered (:meth:`Probe.marked_among`). With none, it unpauses and tries again
+  a second later; otherwise it kills and restarts with nothing, and records the count
+  (``destroyed``). Each of those entries is at or above its stream's trim floor (it was still
+  in the stream after every trim so far) and its row is marked, so only the relay's repair
+  can bring it back: a run with an empty restart must show repaired entries, and the final
+  check must find every one of them delivered.
 - :class:`ClusterRedis` (``--redis cluster``: 3 masters, 1 replica each, AOF) and
   :class:`SentinelRedis` (``--redis sentinel``: 1 master, 1 replica, 3 Sentinels):
   ``redis.failover`` and ``redis.stall`` (a master stopped for less than the failure timeout).
@@ -77,6 +86,10 @@ class Probe(Protocol):
         above the replica's ``last-generated-id`` of their stream."""
         ...
 
+    def marked_among(self, entries: dict[str, list[str]]) -> int:
+        """How many of ``entries`` (stream key: entry ids) the outbox marked delivered."""
+        ...
+
 
 @dataclass
 class FailoverTally:
@@ -113,40 +126,66 @@ class SingleRedis:
 
     faults: tuple[str, ...] = SINGLE_FAULTS
 
-    def __init__(self, workdir: Path, stall_s: tuple[float, float] = (1.0, 3.0)) -> None:
+    def __init__(
+        self, workdir: Path, stream_keys: list[str], probe: Probe,
+        stall_s: tuple[float, float] = (1.0, 3.0),
+    ) -> None:
         self.server = RedisServer(workdir)
         self.server.start()
         self.url = self.server.url
+        self.stream_keys = stream_keys
+        self.probe = probe
         self.stall_s = stall_s
         self.failovers = FailoverTally()
+        self.destroyed: list[int] = []  # marked entries each empty restart destroyed
 
     def client(self) -> redis.Redis:
         return self.server.client()
 
     def inflict(self, fault: str, rng: random.Random, tend: Callable[[], None]) -> bool:
-        """False (nothing done) for an empty restart while Redis holds no stream entry yet:
-        losing nothing would prove nothing about the repair."""
-        if fault == "redis.restart_empty" and not self._stream_entries():
-            return False
+        """False (nothing done) for an empty restart that would destroy no entry the outbox
+        marked delivered: losing nothing would prove nothing about the repair."""
+        if fault == "redis.restart_empty":
+            destroyed = self._pause_and_count_marked()
+            if not destroyed:
+                self._unpause()
+                return False
+            log.info("broker fault: %s (%d marked entries destroyed)", fault, destroyed)
+            self.server.kill()
+            self.server.start(wipe=True)
+            self.destroyed.append(destroyed)
+            return True
         log.info("broker fault: %s", fault)
         if fault == "redis.kill_persistent":
             self.server.kill()
             self.server.start()
-        elif fault == "redis.restart_empty":
-            self.server.kill()
-            self.server.start(wipe=True)
         else:
             self.server.pause()
             time.sleep(rng.uniform(*self.stall_s))  # the stall itself, not a wait
             self.server.resume()
         return True
 
-    def _stream_entries(self) -> int:
+    def _pause_and_count_marked(self) -> int:
+        """Stop every client's writes (10 s at most: the kill follows at once, or
+        :meth:`_unpause`), then count the partition streams' entries the outbox marked
+        delivered: exactly what a kill now destroys of what only repair can put back."""
         client = self.server.client()
         try:
-            return sum(int(client.xlen(k)) for k in client.scan_iter(_type="STREAM"))
+            client.client_pause(10_000, all=False)  # WRITE mode: reads still answer
+            present = {k: [_text(entry_id) for entry_id, _ in client.xrange(k) or []]
+                       for k in self.stream_keys}
         except (redis.ConnectionError, redis.TimeoutError):
             return 0
+        finally:
+            client.close()
+        return self.probe.marked_among({k: ids for k, ids in present.items() if ids})
+
+    def _unpause(self) -> None:
+        client = self.server.client()
+        try:
+            client.client_unpause()
+        except (redis.ConnectionError, redis.TimeoutError):
+            pass  # down: nothing is paused any more
         finally:
             client.close()
 
@@ -155,6 +194,10 @@ class SingleRedis:
 
     def stop(self) -> None:
         self.server.stop()
+
+
+def _text(value: bytes | str | None) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 class _Replicated:

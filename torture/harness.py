@@ -327,6 +327,7 @@ def run_one(kind: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
         "lacked_per_failover": failovers.lacked, "failovers_unmeasured": failovers.unmeasured,
         "marked_per_failover": failovers.marked, "failovers_aborted": failovers.aborted,
         "lacked_distinct": lacked_distinct,
+        "destroyed_per_empty_restart": getattr(server, "destroyed", []),
         "unavailable_exits": dict(sorted(tally.unavailable_exits.items())),
         "retention": {"settings": retention_env(args.retention), **retained},
         **verdict.as_dict(), "violations": violations,
@@ -387,6 +388,20 @@ class LedgerProbe:
                 ledger.events.c.delivered_at_ms.is_not(None))).scalar_one()
         return int(marked)
 
+    def marked_among(self, entries: dict[str, list[str]]) -> int:
+        """How many of ``entries`` (stream key: entry ids) the ledger has marked delivered."""
+        wanted = {(k, i) for k, ids in entries.items() for i in ids}
+        if not wanted:
+            return 0
+        lowest = min(i for _, i in wanted)
+        with self.engine.connect() as conn:
+            rows = conn.execute(select(ledger.events.c.stream, ledger.events.c.partition,
+                                       ledger.events.c.entry_id).where(
+                ledger.events.c.delivered_at_ms.is_not(None),
+                ledger.events.c.entry_id >= lowest.split("-")[0]))
+            return sum((keys.stream_key(self.prefix, r.stream, r.partition), r.entry_id)
+                       in wanted for r in rows)
+
     def lacked(self, replica: Any, stream_keys: list[str]) -> int:
         marked: dict[str, list[str]] = {}
         with self.engine.connect() as conn:
@@ -413,9 +428,9 @@ def broker(
 ) -> Broker:
     """The Redis of one run (torture/brokers.py), its failovers probed through the ledger;
     without WAIT a failover must find its burst marked (else it is called off and retried)."""
-    if mode == "single":
-        return SingleRedis(workdir, plan.stall_s)
     stream_keys = [keys.stream_key(prefix, s, p) for s in STREAMS for p in range(PARTITIONS)]
+    if mode == "single":
+        return SingleRedis(workdir, stream_keys, LedgerProbe(engine, prefix), plan.stall_s)
     kind = ClusterRedis if mode == "cluster" else SentinelRedis
     return kind(workdir, stream_keys, LedgerProbe(engine, prefix),
                 expect_marks=wait_replicas == 0)

@@ -18,10 +18,12 @@ seconds the producer stops, the rest drains, and the torture's checks run
 its conditions).
 
 **Flatness**: for each series of :data:`FLAT_SERIES`, the maximum over the last third of the
-samples must be at most 1.2 times the maximum over the middle third. That only means something once
-retention has reached its steady state: when the middle third starts before
-:func:`warm_up_s` (the inbox retention plus the stream keep time plus a prune interval), the
-verdict is ``inconclusive`` (a run too short for its retention), never a pass.
+samples must be at most 1.2 times the maximum over the middle third (for the stream lengths,
+over the middle third or the trim's own ceiling, whichever is higher:
+:func:`stream_ceiling`). That only means something once retention has reached its steady
+state: when the middle third starts before :func:`warm_up_s` (the inbox retention plus the
+stream keep time plus a prune interval), the verdict is ``inconclusive`` (a run too short for
+its retention), never a pass.
 """
 
 from __future__ import annotations
@@ -94,11 +96,29 @@ def warm_up_s(retention: dict[str, str]) -> float:
             + float(retention["OUTBOX_PRUNE_INTERVAL_S"]))
 
 
-def flatness(samples: list[Sample], warm_up: float) -> dict[str, Any]:
+def stream_ceiling(retention: dict[str, str], rate: float) -> float:
+    """The most entries a partition stream set holds by the trim's own rule while every group
+    keeps up: the newest ``OUTBOX_STREAM_KEEP`` per stream plus all entries younger than
+    ``OUTBOX_STREAM_KEEP_S``, and what arrives until the next trim (``OUTBOX_TRIM_INTERVAL_S``).
+
+    A sample falls anywhere in that cycle, so between thirds the sampled maximum swings by
+    up to ``(keep_s + interval) / keep_s`` (7/5 in the quick soak) with nothing growing: the
+    maxima are compared from this ceiling up, never below it."""
+    keep_s = parse_duration(retention["OUTBOX_STREAM_KEEP_S"])
+    interval = float(retention["OUTBOX_TRIM_INTERVAL_S"])
+    streams = len(STREAMS) * harness.PARTITIONS
+    return int(retention["OUTBOX_STREAM_KEEP"]) * streams + rate * (keep_s + interval)
+
+
+def flatness(
+    samples: list[Sample], warm_up: float, floors: dict[str, float] | None = None
+) -> dict[str, Any]:
     """Per series of :data:`FLAT_SERIES`: the maxima of the middle and last thirds, and whether
-    the last stays within :data:`FLAT_FACTOR` of the middle; ``verdict`` ``flat``,
-    ``growing`` or ``inconclusive`` (too few samples, or the middle third starts before
-    ``warm_up`` seconds)."""
+    the last stays within :data:`FLAT_FACTOR` of the middle (or of the series' ``floors``
+    entry when that is higher: :func:`stream_ceiling`); ``verdict`` ``flat``, ``growing`` or
+    ``inconclusive`` (too few samples, or the middle third starts before ``warm_up``
+    seconds)."""
+    floors = floors or {}
     third = len(samples) // 3
     if third == 0:
         return {"verdict": "inconclusive", "reason": "fewer than 3 samples", "series": {}}
@@ -107,8 +127,9 @@ def flatness(samples: list[Sample], warm_up: float) -> dict[str, Any]:
     for name in FLAT_SERIES:
         mid_max = max(getattr(s, name) for s in middle)
         last_max = max(getattr(s, name) for s in last)
-        series[name] = {"middle_max": mid_max, "last_max": last_max,
-                        "flat": last_max <= FLAT_FACTOR * mid_max}
+        base = max(mid_max, floors.get(name, 0))
+        series[name] = {"middle_max": mid_max, "last_max": last_max, "compared_to": base,
+                        "flat": last_max <= FLAT_FACTOR * base}
     if middle[0].t_s < warm_up:
         return {"verdict": "inconclusive", "series": series,
                 "reason": f"the middle third starts at {middle[0].t_s:.0f}s, before the "
@@ -213,7 +234,8 @@ def run_soak(kind: str, args: argparse.Namespace) -> dict[str, Any]:
         for child in kids:
             child.stop()
         server.stop()
-    flat = flatness(samples, warm_up_s(retention))
+    flat = flatness(samples, warm_up_s(retention),
+                    {"stream_entries": stream_ceiling(retention, args.rate)})
     violations = verdict.violations(runs_must_finish=False)
     violations += [f"unexpected_exit:{e}" for e in exits]
     if drain is None:

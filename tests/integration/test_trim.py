@@ -444,3 +444,35 @@ def test_trimmed_entries_redis_brings_back_without_receipts_are_acknowledged_nev
             inbox.c.group_name == "g")).scalars().all() == ["evt-fresh"]
     assert any("10 entries below their streams' trim floor" in r.getMessage()
                for r in caplog.records)
+
+
+def test_groups_are_known_from_the_first_trim_after_a_delivery_so_a_redis_loss_holds_the_trim(
+    engine: Engine, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    # Found by the torture (SQLite, 300 kills): Redis restarted empty 23 s into the run. No
+    # trim had run on the stream yet (the relay trimmed only streams its repair check had
+    # found, and its first check, at start, found nothing delivered), so no group was known;
+    # the first trim after the loss saw only the group whose consumers were back and removed
+    # 13 entries the other group had never read.
+    key = _key(key_prefix)
+    for group in ("fast", "slow"):
+        redis_client.xgroup_create(key, group, id="0", mkstream=True)
+    relay = Relay(_settings(engine, key_prefix), engine, redis_client)
+    _enqueue(engine, key_prefix, 0, 30)
+    relay.run_once()  # leases, a repair check that finds nothing delivered yet, the delivery
+    assert relay.stats.delivered == 30 and not relay.repairer.streams
+    trim = relay.periodic[0]
+    assert trim.name == "stream trim"
+    trim.run()  # the relay's trim task, before any further repair check
+    with engine.connect() as conn:
+        known = set(conn.execute(select(stream_groups.c.group_name)).scalars())
+    assert known == {"fast", "slow"}
+
+    redis_client.delete(key)  # Redis lost the stream and both groups
+    relay.repairer.check_soon()
+    relay.repairer.maybe_run(relay.leases)
+    assert len(_ids(redis_client, key)) == 30
+    redis_client.xgroup_create(key, "fast", id="0")  # only one group's consumers are back
+    _read_ack(redis_client, key, "fast", 30)
+    trim.run()
+    assert len(_ids(redis_client, key)) == 30  # held for "slow", which has read nothing
