@@ -6,13 +6,13 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine, event
+from sqlalchemy import Engine, event, select
 
 from outbox_relay.consumer import inbox
 from outbox_relay.consumer.handlers import Handlers
 from outbox_relay.shared import keys
 from outbox_relay.shared.db import is_postgres
-from outbox_relay.shared.schema import stream_trims
+from outbox_relay.shared.schema import inbox_heads, stream_trims
 from tests.helpers import event as make_event
 
 pytestmark = pytest.mark.integration
@@ -58,3 +58,20 @@ def test_a_claim_reads_receipts_heads_and_floors_in_one_statement_on_postgresql(
         assert len(reads) == 2  # the locks, then receipts + heads + floors in one
     else:
         assert len(reads) == 3  # receipts, floors, heads
+
+
+def test_the_heads_upsert_raises_a_head_and_never_lowers_it(engine: Engine) -> None:
+    # Both dialects send a statement compiled once (SQLAlchemy cannot cache an ON CONFLICT …
+    # WHERE upsert); its WHERE is what keeps a late, lower revision from moving a head back.
+    def heads() -> dict[str, int]:
+        with engine.connect() as conn:
+            rows = conn.execute(select(inbox_heads.c.aggregate_id, inbox_heads.c.revision)
+                                .where(inbox_heads.c.group_name == "g"))
+            return {r.aggregate_id: r.revision for r in rows}
+
+    for given, expected in [({"a": 5, "b": 1}, {"a": 5, "b": 1}),
+                            ({"a": 3, "b": 2}, {"a": 5, "b": 2}),
+                            ({"a": 7}, {"a": 7, "b": 2})]:
+        with engine.begin() as conn:
+            inbox._upsert_heads(conn, "g", {("t", i): r for i, r in given.items()})
+        assert heads() == expected
