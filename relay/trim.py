@@ -155,7 +155,9 @@ class Trimmer:
     def run(self, leases: dict[int, int], streams: set[tuple[str, int]]) -> int:
         """Trim each of ``streams`` (``(stream, partition)``) whose partition is in the given
         ``{partition: epoch}`` leases; entries removed. The relay passes the streams its repair
-        check found (those with delivered rows or a trim floor)."""
+        check found (those with delivered rows or a trim floor) and every stream it has
+        delivered to since it started, so a stream's groups are known from its first
+        delivery on."""
         if not self.settings.stream_trim or not leases:
             return 0
         removed = 0
