@@ -131,9 +131,14 @@ def _rebalance(
 
 
 def release_leases(engine: Engine, node_id: str, leases: dict[int, int]) -> None:
-    """Give our partitions back at shutdown so another relay need not wait for expiry."""
+    """Give our partitions back at shutdown so another relay need not wait for expiry.
+
+    Rows are locked in partition order, as :func:`acquire_leases` locks them: in the order the
+    leases were won (kept ones first) a release could wait on a row that an acquiring relay
+    holds while that relay waits on one the release holds (a deadlock PostgreSQL breaks by
+    failing one of the two)."""
     with translate_errors(), engine.begin() as conn:
-        for partition, epoch in leases.items():
+        for partition, epoch in sorted(leases.items()):
             conn.execute(
                 update(relay_leases)
                 .where(

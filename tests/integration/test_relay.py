@@ -14,7 +14,7 @@ from typing import Any, cast
 
 import pytest
 import redis
-from sqlalchemy import Engine, select, update
+from sqlalchemy import Engine, event, select, update
 
 from outbox_relay.producer import Producer
 from outbox_relay.relay import append, outgoing, store
@@ -541,3 +541,25 @@ def test_relays_started_together_split_the_partitions_under_until_idle(
         thread.join(timeout=10)
     assert undelivered(engine) == 0
     assert_each_once(redis_client, key_prefix, ids)
+
+
+def test_release_locks_lease_rows_in_partition_order_as_acquire_does(engine: Engine) -> None:
+    """Leases won as {kept..., taken...} (say 2, 3, then 0) are released in partition order:
+    a release walking them as won could wait on row 0 held by an acquiring relay that waits on
+    row 2 (``acquire_leases`` locks in partition order), a deadlock."""
+    held = store.acquire_leases(engine, "relay-a", PARTITIONS, 60_000, now_ms())
+    won = {p: held[p] for p in (2, 3, 0, 1)}  # the order _rebalance can produce
+    released: list[int] = []
+
+    def on_execute(_conn: Any, clause: Any, *_args: Any) -> None:
+        if getattr(clause, "table", None) is relay_leases and clause.is_update:
+            released.extend(v for k, v in clause.compile().params.items()
+                            if k.startswith("partition"))
+
+    event.listen(engine, "before_execute", on_execute)
+    try:
+        store.release_leases(engine, "relay-a", won)
+    finally:
+        event.remove(engine, "before_execute", on_execute)
+    assert released == [0, 1, 2, 3]
+    assert set(lease_owners(engine).values()) == {None}
