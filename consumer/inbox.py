@@ -359,8 +359,7 @@ def _upsert_heads(conn: Connection, group: str, heads: dict[tuple[str, str], int
         sql, order = _sqlite_heads_sql(conn.dialect)
         rows = [{"b_group": group, "b_type": t, "b_id": i, "b_rev": r, "b_now": now}
                 for (t, i), r in ordered]
-        conn.exec_driver_sql(sql, [tuple(row[name] for name in order) for row in rows]
-                             if order else rows)
+        conn.exec_driver_sql(sql, [tuple(row[name] for name in order) for row in rows])
         return
     conn.exec_driver_sql(_heads_sql(conn.dialect), {
         "b_group": group, "b_now": now,
@@ -379,8 +378,8 @@ def _heads_sql(dialect: Dialect) -> str:
 @functools.cache
 def _sqlite_heads_sql(dialect: Dialect) -> tuple[str, tuple[str, ...]]:
     """The SQLite upsert of :func:`_upsert_heads` compiled once per dialect (as
-    :func:`_heads_sql`), with its parameters' names in the order the driver takes them (none
-    for a named paramstyle); run as an ``executemany``, one row per head."""
+    :func:`_heads_sql`), with its parameters' names in the order the driver takes them
+    (SQLite's drivers are positional, ``?``); run as an ``executemany``, one row per head."""
     upsert = sqlite.insert(inbox_heads).values(
         group_name=bindparam("b_group", type_=String),
         aggregate_type=bindparam("b_type", type_=String),
@@ -394,7 +393,8 @@ def _sqlite_heads_sql(dialect: Dialect) -> tuple[str, tuple[str, ...]]:
               "updated_at_ms": upsert.excluded.updated_at_ms},
         where=inbox_heads.c.revision < upsert.excluded.revision,
     ).compile(dialect=dialect)
-    return str(compiled), tuple(compiled.positiontup or ())
+    assert compiled.positiontup is not None, "SQLite's paramstyle is positional"
+    return str(compiled), tuple(compiled.positiontup)
 
 
 def _heads_query() -> Any:
