@@ -111,14 +111,14 @@ def stream_ceiling(retention: dict[str, str], rate: float) -> float:
 
 
 def flatness(
-    samples: list[Sample], warm_up: float, floors: dict[str, float] | None = None
+    samples: list[Sample], warm_up: float, least: dict[str, float] | None = None
 ) -> dict[str, Any]:
     """Per series of :data:`FLAT_SERIES`: the maxima of the middle and last thirds, and whether
-    the last stays within :data:`FLAT_FACTOR` of the middle (or of the series' ``floors``
+    the last stays within :data:`FLAT_FACTOR` of the middle (or of the series' ``least``
     entry when that is higher: :func:`stream_ceiling`); ``verdict`` ``flat``, ``growing`` or
     ``inconclusive`` (too few samples, or the middle third starts before ``warm_up``
     seconds)."""
-    floors = floors or {}
+    least = least or {}
     third = len(samples) // 3
     if third == 0:
         return {"verdict": "inconclusive", "reason": "fewer than 3 samples", "series": {}}
@@ -127,7 +127,7 @@ def flatness(
     for name in FLAT_SERIES:
         mid_max = max(getattr(s, name) for s in middle)
         last_max = max(getattr(s, name) for s in last)
-        base = max(mid_max, floors.get(name, 0))
+        base = max(mid_max, least.get(name, 0))
         series[name] = {"middle_max": mid_max, "last_max": last_max, "compared_to": base,
                         "flat": last_max <= FLAT_FACTOR * base}
     if middle[0].t_s < warm_up:

@@ -23,13 +23,13 @@ def test_a_trim_cycle_seen_at_its_low_then_its_high_is_flat_under_the_ceiling() 
     entries = [1500, 1520, 1510, 1500, 1530, 1510, 1800, 2090, 1790]
     plain = flatness(_samples(entries), warm_up=0)
     assert plain["verdict"] == "growing"  # 2090 > 1.2 x 1530
-    ceiled = flatness(_samples(entries), warm_up=0, floors={"stream_entries": 2100.0})
+    ceiled = flatness(_samples(entries), warm_up=0, least={"stream_entries": 2100.0})
     assert ceiled["verdict"] == "flat"
     assert ceiled["series"]["stream_entries"]["compared_to"] == 2100.0
 
 
 def test_growth_past_the_ceiling_is_still_growing() -> None:
     entries = [1500, 1900, 2000, 2100, 2300, 2400, 2700, 2900, 3100]
-    verdict = flatness(_samples(entries), warm_up=0, floors={"stream_entries": 2100.0})
+    verdict = flatness(_samples(entries), warm_up=0, least={"stream_entries": 2100.0})
     assert verdict["verdict"] == "growing"
     assert not verdict["series"]["stream_entries"]["flat"]
