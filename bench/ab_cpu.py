@@ -56,7 +56,8 @@ def ab(trees: list[str], kind: str, events: int, batch: int, runs: int) -> dict[
             code = f"exec(open({__file__!r}).read())"  # not the script's folder on the path
             line = subprocess.run(
                 [sys.executable, "-c", code, kind, str(events), str(batch)],
-                env={**os.environ, "PYTHONPATH": tree}, cwd=tree, check=True,
+                env={**os.environ, "PYTHONPATH": f"{tree}/src{os.pathsep}{tree}"},
+                cwd=tree, check=True,
                 capture_output=True, text=True,
             ).stdout.strip().splitlines()[-1]
             out[tree].append(json.loads(line)["cpu_us_per_event"])

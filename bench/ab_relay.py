@@ -1,6 +1,6 @@
 """A/B of the relay's backlog drain, in process, for comparing two trees of the code.
 
-``PYTHONPATH=<tree> python bench/ab_relay.py <sqlite|postgresql> <events> <batch> <partitions>``
+``PYTHONPATH=<tree>/src:<tree> python bench/ab_relay.py <db> <events> <batch> <partitions>``
 seeds ``events`` undelivered rows (bench/env.py), drains them with one :class:`Relay` in this
 process (``run(until_idle=True)``) and prints one JSON line: events/s of the drain alone (the
 seeding is not timed). Run the trees alternately on the same machine (``ab`` below).
@@ -50,7 +50,8 @@ def ab(trees: list[str], kind: str, events: int, batch: int, partitions: int,
             code = f"exec(open({__file__!r}).read())"  # not the script's folder on the path
             line = subprocess.run(
                 [sys.executable, "-c", code, kind, str(events), str(batch), str(partitions)],
-                env={**os.environ, "PYTHONPATH": tree}, cwd=tree, check=True,
+                env={**os.environ, "PYTHONPATH": f"{tree}/src{os.pathsep}{tree}"},
+                cwd=tree, check=True,
                 capture_output=True, text=True,
             ).stdout.strip().splitlines()[-1]
             out[tree].append(int(json.loads(line)["events_per_s"]))

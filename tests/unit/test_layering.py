@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "src" / "outbox_relay"
 COMPONENTS = ("shared", "producer", "relay", "consumer", "runs", "cli")
 ALLOWED = {
     "shared": set(),
@@ -41,7 +42,7 @@ def _imports(path: Path) -> list[str]:
 @pytest.mark.parametrize("component", COMPONENTS)
 def test_components_import_only_what_the_layering_allows(component: str) -> None:
     wrong = set()
-    for path in (ROOT / component).rglob("*.py"):
+    for path in (PACKAGE / component).rglob("*.py"):
         for name in _imports(path):
             parts = name.split(".")
             if parts[0] == "outbox_relay" and len(parts) > 1 and parts[1] in COMPONENTS:
@@ -54,17 +55,20 @@ def test_components_import_only_what_the_layering_allows(component: str) -> None
 
 def test_nothing_imports_our_code_by_its_folder_name() -> None:
     bare = set()
-    for folder in (*COMPONENTS, "tests", "torture", "bench", "examples"):
-        for path in (ROOT / folder).rglob("*.py"):
+    folders = [PACKAGE / c for c in COMPONENTS] + [ROOT / f for f in
+                                                   ("tests", "torture", "bench", "examples")]
+    for folder in folders:
+        for path in folder.rglob("*.py"):
             bare |= {f"{path.relative_to(ROOT)}: {n}" for n in _imports(path)
                      if n.split(".")[0] in COMPONENTS}
     assert not bare, sorted(bare)
 
 
-def test_the_image_and_the_wheel_carry_every_component() -> None:
-    """The Dockerfile copies each component folder the facade links to (a forgotten one builds
-    an image whose ``outbox`` fails at import)."""
-    linked = {p.name for p in (ROOT / "outbox_relay").iterdir() if p.is_symlink()}
-    assert linked == set(COMPONENTS)
-    dockerfile = (ROOT / "Dockerfile").read_text()
-    assert {c for c in COMPONENTS if f"COPY {c} ./{c}" not in dockerfile} == set()
+def test_the_tree_has_no_symlinks_and_the_image_copies_the_package() -> None:
+    """The src layout holds real folders (a clone with ``core.symlinks=false`` turned links into
+    9-byte text files), every component is a package, and the image copies the one ``src``."""
+    links = [p for p in ROOT.rglob("*") if p.is_symlink()
+             and not any(part.startswith(".") for part in p.relative_to(ROOT).parts)]
+    assert links == []
+    assert {c for c in COMPONENTS if not (PACKAGE / c / "__init__.py").is_file()} == set()
+    assert "COPY src ./src" in (ROOT / "Dockerfile").read_text()
