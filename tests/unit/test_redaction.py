@@ -56,3 +56,25 @@ def test_log_records_are_redacted(caplog: pytest.LogCaptureFixture) -> None:
         "no secrets here: 3 rows",
     ]
     assert "hunter2" not in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [  # passwords that were not percent-encoded: the user-info ends at the last "@"
+        ("redis://u:pa/Sl4shSecret9@127.0.0.1:6379/13", "redis://u:***@127.0.0.1:6379/13"),
+        ("postgresql://postgres:pw@Leak7xFrag@127.0.0.1:5432/x",
+         "postgresql://postgres:***@127.0.0.1:5432/x"),
+        ("redis://u:a?b#c@d@h:1/0", "redis://u:***@h:1/0"),
+        ("redis://u:a b@h:1/0", "redis://u:***@h:1/0"),
+        ("error: cannot reach redis://u:a/b@c@h:1/0 now",
+         "error: cannot reach redis://u:***@h:1/0 now"),
+    ],
+)
+def test_unencoded_passwords_are_hidden_whole(text: str, expected: str) -> None:
+    assert redact_url(text) == expected
+
+
+@pytest.mark.parametrize("url", ["postgresql://u:Leak7@[::1/x", "redis://u:Leak7@h:notaport/0"])
+def test_an_unparsable_url_with_a_password_is_never_echoed(url: str) -> None:
+    assert redact_url(url) == "<unparsable URL>"
+    assert "Leak7" not in redact_url(f"failed: {url}")

@@ -199,10 +199,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         code: int = args.func(args)
         return code
     except (ConfigError, CannotConnectError) as err:  # fix the setting; retrying cannot help
-        print(f"error {err.code}: {err.message}", file=sys.stderr)
+        print(f"error {err.code}: {redact_url(err.message)}", file=sys.stderr)
         return 2
     except OutboxError as err:
-        print(f"error {err.code}: {err.message}", file=sys.stderr)
+        print(f"error {err.code}: {redact_url(err.message)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

@@ -160,6 +160,12 @@ def _custom_plans(engine: Engine) -> None:
 
 @contextlib.contextmanager
 def _url_errors(url: str) -> Iterator[None]:
+    scheme, _, rest = url.partition("://")
+    userinfo = rest.split("?", 1)[0].rpartition("@")[0]
+    if not scheme.startswith("sqlite") and ":" in userinfo and "@" in userinfo:
+        # SQLAlchemy ends the password at its first "@": the rest would be taken for the host
+        raise ConfigError(f"invalid database URL {redact_url(url)}: percent-encode the "
+                          "password (an '@' in it is %40)")
     try:
         yield
     except ImportError as err:  # the driver is not installed: name the extra that brings it

@@ -35,6 +35,9 @@ def connect_redis(url: str, *, timeout_s: float = 5.0) -> redis.Redis:
     envelope parser decides what is valid UTF-8.
     """
     scheme = url.split("://", 1)[0].lower()
+    if not _userinfo_in_netloc(url):
+        # an unencoded "/", "?" or "#" in the password: the parser would take its end for a host
+        raise ConfigError(f"invalid Redis URL {redact_url(url)}: percent-encode the password")
     if scheme in SENTINEL_SCHEMES:
         return sentinel_master(url, timeout_s=timeout_s)
     if scheme in CLUSTER_SCHEMES:
@@ -49,6 +52,15 @@ def connect_redis(url: str, *, timeout_s: float = 5.0) -> redis.Redis:
         )
     except ValueError as err:
         raise ConfigError(f"invalid Redis URL {redact_url(url)}") from err
+
+
+def _userinfo_in_netloc(url: str) -> bool:
+    """Whether every ``@`` of ``url`` is in its network location (where the user-info is)."""
+    try:
+        netloc = urlsplit(url).netloc
+    except ValueError:  # a malformed URL: the parser that reads it says so
+        return True
+    return url.count("@") == netloc.count("@")
 
 
 def sentinel_master(url: str, *, timeout_s: float = 5.0) -> redis.Redis:
