@@ -17,7 +17,7 @@ def test_the_readme_shows_the_example_file_whole() -> None:
 
 def test_the_readme_stays_short_and_its_doc_links_resolve() -> None:
     readme = (ROOT / "README.md").read_text()
-    assert len(readme.encode()) < 23_000  # quickstart to layout; the rest is in docs/
+    assert len(readme.encode()) < 25_000  # quickstart to layout; the rest is in docs/
     for name in ("guarantees", "performance", "runs", "configuration", "data", "wire-format",
                  "operations", "security"):
         assert f"(docs/{name}.md" in readme and (ROOT / "docs" / f"{name}.md").exists()
