@@ -313,7 +313,7 @@ def test_entries_trimmed_while_pending_get_a_lost_receipt_and_a_letter_never_a_s
     # ...then an operator's blind trim removes those 4 (and 2 more nobody read).
     redis_client.xtrim(key, minid=everything[6], approximate=False)
 
-    consumer._pass_due = True
+    consumer.recheck_pending()
     consumer.run_once(block_ms=10)
 
     assert streams.group_pending(redis_client, [key], "g")[key] == 0
@@ -357,7 +357,7 @@ def test_a_vanished_entry_that_was_already_handled_is_just_acknowledged(
     redis_client.xclaim(key, "g", "c1", 0, [first], force=True, justid=True)
     redis_client.xdel(key, first)
 
-    consumer._pass_due = True
+    consumer.recheck_pending()
     consumer.run_once(block_ms=10)
 
     assert streams.group_pending(redis_client, [key], "g")[key] == 0
@@ -430,7 +430,7 @@ def test_trimmed_entries_redis_brings_back_without_receipts_are_acknowledged_nev
     fresh = {**before[0][1], b"id": b"evt-fresh"}  # a new event, above the floor
     redis_client.xadd(key, fresh)
 
-    consumer._pass_due = True
+    consumer.recheck_pending()
     with caplog.at_level("WARNING", logger="outbox_relay.consumer.daemon"):
         consumer.run_once(block_ms=10)
 

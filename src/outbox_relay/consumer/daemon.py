@@ -17,9 +17,11 @@ A crash between 3 and 4 redelivers the entries; the inbox finds them and they ar
 as duplicates. After a restart the consumer first re-reads its own pending entries.
 
 Ownership (:mod:`consumer.ownership`): the consumers of a group lease the partition streams, one
-owner each, and read only their own. A new owner takes over the previous owner's pending
-entries and processes them, in id order, before anything new; every claim re-checks the lease
-epoch, so a fenced-out consumer's late commit is refused.
+owner each, and read only their own; every claim re-checks the lease epoch, so a fenced-out
+consumer's late commit is refused. The read rule (:mod:`consumer.read_states`): a stream is
+read with ``XREADGROUP >`` only once a pending pass has processed every pending entry of it in
+the group (taken over from the previous owner, or left by this consumer under an earlier
+epoch) under the epoch it still holds; every (re)acquisition puts it back behind such a pass.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -41,6 +43,7 @@ from outbox_relay.consumer import ownership as ownership_
 from outbox_relay.consumer.handlers import Handlers
 from outbox_relay.consumer.hygiene import HygieneStats
 from outbox_relay.consumer.prune import PruneStats
+from outbox_relay.consumer.read_states import DRAINING, READABLE, ReadStates
 from outbox_relay.consumer.streams import Entry
 from outbox_relay.shared import faults, keys, partition_counts
 from outbox_relay.shared.daemon_control import Backoff, stop_on_signals
@@ -113,7 +116,8 @@ class Consumer:
         self.stats = ConsumerStats()
         self.after_batch = after_batch
         self._stop = threading.Event()
-        self._pass_due = True  # take over and re-read pending entries before anything new
+        # Each owned stream draining (a pending pass due before anything new) or readable.
+        self.reads = ReadStates()
         self._next_pending_check = 0.0
         self._groups_ready = False
         self._backoff = Backoff()
@@ -164,7 +168,7 @@ class Consumer:
 
     def run_once(self, block_ms: int | None = None) -> int:
         """Renew leases when due; a pending pass when due; then one ``XREADGROUP >`` of the
-        keys this consumer owns. Returns entries handled.
+        owned streams that are readable. Returns entries handled.
 
         A consumer that owns nothing (more consumers than partition streams, or leases not
         renewable) waits until its next renewal instead of reading: scale-out is by
@@ -176,68 +180,78 @@ class Consumer:
         if self.handlers.paused():  # backpressure: leave new entries in the stream
             self._stop.wait(min(self.settings.block_ms, 50) / 1000)
             return 0
-        readable = self.leases.readable()
-        if not readable:
+        if not self.leases.readable():
             self._stop.wait(self.leases.idle_wait_s())
             return 0
         handled = 0
-        if self._pass_due or self._pending_due(readable):
+        if self._pending_due():
             handled += self.drain_pending()
-            readable = self.leases.readable()
-            if not readable or self._stop.is_set():
+            if self._stop.is_set():
                 return handled
+        return handled + self._read_new(block_ms, handled)
+
+    def _read_new(self, block_ms: int | None, handled: int) -> int:
+        """The loop's one ``XREADGROUP >``, and the one place the read rule is enforced: it
+        names only the streams that are ``readable`` (:mod:`consumer.read_states`), decided
+        here, after this iteration's last renewal and pending pass, with no renewal between
+        the decision and the read. A stream still draining (its pass did not complete, or a
+        renewal during the pass gave it back) waits for the next iteration's pass."""
+        ready = self.reads.readable(self.leases.readable(), self.leases.held)
+        if not ready:
+            if not handled:  # a pass is due at once; do not spin on it
+                self._stop.wait(0.01)
+            return 0
         try:
             entries = streams.read(
-                self.client, dict.fromkeys(readable, ">"), self.settings.group, self.name,
+                self.client, dict.fromkeys(ready, ">"), self.settings.group, self.name,
                 count=self.settings.batch_size,
                 block_ms=self.settings.block_ms if block_ms is None else block_ms,
             )
         except UnavailableError:
-            self._pass_due = True  # unknown outcome: entries may have been delivered to us
+            self._drain(ready, "read of unknown outcome")  # entries may have come to us
             raise
-        return handled + self._process_owned(self._behind_foreign(entries))
+        return self._process_owned(self._behind_foreign(entries))
 
     def _behind_foreign(self, entries: list[Entry]) -> list[Entry]:
         """New entries of keys on which another consumer still holds pending (older) entries
-        wait: they stay pending for us, and a pending pass takes the others over and applies
-        everything in id order (see :func:`consumer.streams.foreign_pending`)."""
+        wait: they stay pending for us, the stream is draining again, and its pending pass
+        takes the others over and applies everything in id order (see
+        :func:`consumer.streams.foreign_pending`)."""
         if not entries or not self.leases.enabled:
             return entries
         foreign = streams.foreign_pending(
             self.client, sorted({e.key for e in entries}), self.settings.group, self.name)
         if not foreign:
             return entries
-        self._pass_due = True
+        self._drain(foreign, "another consumer's pending entries")
         return [e for e in entries if e.key not in foreign]
 
     def drain_pending(self) -> int:
         """The pending pass: take over, then re-read in id order, every pending entry of the
-        group on the keys this consumer owns; returns entries handled.
+        group on the keys this consumer may read now; returns entries handled.
 
         First every pending entry of another consumer on an owned key is moved to us (the
         previous owner's, whatever its idle time: :func:`consumer.streams.take_over`). Then
         ``self.blocked`` is cleared and our pending entries are re-read from id 0, page by
         page, each page processed before the next and before anything new is read: failed
         and waiting entries are retried in id order, which is how strict order holds across
-        batches. Runs at start, when a key is newly owned, and every ``claim_interval_ms``
-        while the group has pending entries on our keys.
+        batches. Runs while any owned stream is draining (at start, when a stream is newly
+        owned or owned under a new epoch), and every ``claim_interval_ms`` while the group
+        has pending entries on our keys. The streams it covers are draining until it
+        completes; each becomes readable once every pending entry of it was processed, if
+        its epoch did not change meanwhile.
         """
         self._ensure_groups()
         self._renew_leases()
-        s = self.settings
         readable = self.leases.readable()
         if not readable:
             return 0  # nothing we may read now: the pass stays due
-        self._pass_due = False
-        self._next_pending_check = time.monotonic() + s.claim_interval_ms / 1000
-        try:
-            return self._pending_pass(readable)
-        except BaseException:
-            self._pass_due = True  # an unfinished pass is done again before anything new
-            raise
+        self._next_pending_check = time.monotonic() + self.settings.claim_interval_ms / 1000
+        return self._pending_pass(readable)
 
     def _pending_pass(self, readable: list[str]) -> int:
         s = self.settings
+        started = self.reads.begin_pass(readable, self.leases.held)
         trimmed: list[Entry] = []
         for key in readable:
             moved, gone = streams.take_over(self.client, key, s.group, self.name,
@@ -247,29 +261,48 @@ class Consumer:
         self.blocked.clear()
         handled = self._process_owned(trimmed)  # letters for entries trimmed while pending
         cursors = dict.fromkeys(readable, "0")
+        drained: list[str] = []
         while cursors and not self._stop.is_set():
             entries = streams.read(self.client, cursors, s.group, self.name,
                                    count=s.batch_size, block_ms=None)
-            seen = {e.key for e in entries}
             for e in entries:
                 cursors[e.key] = e.entry_id
             self.stats.autoclaimed += len(entries)
             handled += self._process_owned(entries)
-            if self._pass_due:  # a lease was lost mid-pass: its batch rolled back, and the
-                break  # other keys' cursors moved past it; redo the pass from the start
+            seen = {e.key for e in entries}
+            drained += [k for k in cursors if k not in seen]  # every pending entry processed
             self._renew_leases()  # a long pass must not outlive its leases
             still = set(self.leases.readable())
-            cursors = {k: v for k, v in cursors.items() if k in seen and k in still}
+            # A stream whose epoch changed, or whose batch did not complete, needs a pass of
+            # its own from the start (take over again, re-read from 0): stop following it.
+            cursors = {k: v for k, v in cursors.items() if k in seen and k in still
+                       and self.reads.covers(started, k, self.leases.held)}
+        self.reads.move(drained, READABLE, self.leases.held, started=started,
+                        why="pending pass completed")
         return handled
 
-    def _renew_leases(self) -> None:
-        """Renew (and rebalance) the leases when due; a newly owned key calls for a pass."""
-        if self.leases.due() and self.leases.renew():
-            self._pass_due = True
+    def recheck_pending(self) -> None:
+        """Put every owned stream back to draining: the next iteration re-reads every pending
+        entry before anything new (after the pending list was changed from outside)."""
+        self._drain(self.keys, "asked")
 
-    def _pending_due(self, readable: list[str]) -> bool:
-        """Every ``claim_interval_ms``: whether the group has pending entries on our keys
-        (our failed or waiting ones; or entries a fenced-out consumer read late)."""
+    def _drain(self, stream_keys: Iterable[str], why: str) -> None:
+        self.reads.move(stream_keys, DRAINING, self.leases.held, why=why)
+
+    def _renew_leases(self) -> None:
+        """Renew (and rebalance) the leases when due; a stream newly owned, or owned under a
+        new epoch, is draining (its pending entries may not all be processed in this epoch:
+        our own from before we gave it up, the previous owner's)."""
+        if self.leases.due():
+            self._drain(self.leases.renew(), "acquired")
+
+    def _pending_due(self) -> bool:
+        """Whether a pending pass is due: while any owned stream is draining, and every
+        ``claim_interval_ms`` while the group has pending entries on our keys (our failed or
+        waiting ones; or entries a fenced-out consumer read late)."""
+        readable = self.leases.readable()
+        if self.reads.draining(readable, self.leases.held):
+            return True
         if time.monotonic() < self._next_pending_check:
             return False
         self._next_pending_check = time.monotonic() + self.settings.claim_interval_ms / 1000
@@ -290,10 +323,11 @@ class Consumer:
         entries of keys we still own stay pending; a pending pass re-reads them before
         anything newer is read, so a rolled-back batch cannot be overtaken by later entries.
         """
+        batch_keys = sorted({e.key for e in entries})
         try:
             return self.process(entries)
         except ownership_.PartitionLostError as err:
-            self._pass_due = True
+            self._drain(batch_keys, "batch not committed: lease lost")
             dropped = self.leases.drop(err.keys)
             self.stats.lease_losses += 1
             log.warning("consumer %s lost %s to another consumer of group %s; "
@@ -302,11 +336,11 @@ class Consumer:
                                "stream_keys": dropped})
             return 0
         except UnavailableError:
-            self._pass_due = True
+            self._drain(batch_keys, "batch not committed: unavailable")
             self._uncount(entries)
             raise
         except BaseException:
-            self._pass_due = True
+            self._drain(batch_keys, "batch not completed")
             raise
 
     def _uncount(self, entries: list[Entry]) -> None:
