@@ -1,5 +1,5 @@
-"""How many statements a claim sends: on PostgreSQL the receipts, heads and trim floors a batch
-is decided from come back in one statement, after the advisory locks."""
+"""How many statements a claim sends: on PostgreSQL the receipts, heads, trim floors and retry
+rows a batch is decided from come back in one statement, after the advisory locks."""
 
 from __future__ import annotations
 
@@ -55,9 +55,9 @@ def test_a_claim_reads_receipts_heads_and_floors_in_one_statement_on_postgresql(
     reads = [s for s in sent if s.startswith(("SELECT", "WITH"))]
     if is_postgres(engine):
         assert reads[0].startswith("SELECT pg_advisory_xact_lock")
-        assert len(reads) == 2  # the locks, then receipts + heads + floors in one
+        assert len(reads) == 2  # the locks, then receipts + heads + floors + retries in one
     else:
-        assert len(reads) == 3  # receipts, floors, heads
+        assert len(reads) == 4  # receipts, floors, heads, retries
 
 
 def test_the_heads_upsert_raises_a_head_and_never_lowers_it(engine: Engine) -> None:

@@ -1,10 +1,13 @@
 """Handlers: plain typed functions registered per event type.
 
 A handler receives the claim transaction's connection and the parsed event. Whatever it writes
-through that connection commits together with the inbox receipt; if it raises, only its writes
-roll back, the entry stays pending and is retried (the batch's handlers share one savepoint; when
-one raises, the batch is redone with a savepoint per handler, so a handler may run twice in one
-claim: see :func:`consumer.inbox.claim`).
+through that connection commits together with the inbox receipt, events it enqueues with
+``Producer.enqueue(conn, ...)`` included (they commit with the receipt, or neither); if it
+raises, only its writes roll back, the entry stays pending and is retried with backoff by its
+:class:`consumer.retry.Retry` policy (the group's default unless the handler has its own); a
+:class:`consumer.retry.PermanentError` dead-letters it at once. The batch's handlers share one
+savepoint; when one raises, the batch is redone with a savepoint per handler, so a handler may
+run twice in one claim: see :func:`consumer.inbox.claim`.
 
 Work that must not run inside the transaction (a long run stage, a network call) is scheduled
 with :meth:`Handlers.after_commit`: the daemon runs it only after the claim transaction
@@ -29,6 +32,7 @@ from typing import Literal, Protocol
 from prometheus_client.registry import Collector
 from sqlalchemy import Connection
 
+from outbox_relay.consumer.retry import Retry
 from outbox_relay.shared.envelope import Event
 from outbox_relay.shared.metrics import Naming
 
@@ -50,6 +54,7 @@ class Handlers:
     def __init__(self) -> None:
         self._by_type: dict[str, Handler] = {}
         self._ordering: dict[str, Ordering] = {}
+        self._retry: dict[str, Retry] = {}
         self._after_commit: list[tuple[str, Callable[[], None]]] = []
         self._pause: Callable[[], bool] | None = None
         # Counters the app's own components keep (dataclasses such as the run worker's),
@@ -62,24 +67,30 @@ class Handlers:
         self._on_stop: list[Callable[[], None]] = []
 
     def register(
-        self, event_type: str, handler: Handler, *, ordering: Ordering = "strict"
+        self, event_type: str, handler: Handler, *, ordering: Ordering = "strict",
+        retry: Retry | None = None,
     ) -> None:
         """Route events of ``event_type`` (or every type, with ``"*"``) to ``handler``,
-        applied in ``ordering`` (see the module docstring)."""
+        applied in ``ordering`` (see the module docstring), retried by ``retry`` when it
+        raises (None: the group's default, ``OUTBOX_RETRY_*``)."""
         if event_type in self._by_type:
             raise ValueError(f"a handler for {event_type!r} is already registered")
         if ordering not in ORDERINGS:
             raise ValueError(f"ordering must be one of {ORDERINGS}, not {ordering!r}")
+        if retry is not None and not isinstance(retry, Retry):
+            raise ValueError(f"retry must be a Retry, not {type(retry).__name__}")
         self._by_type[event_type] = handler
         self._ordering[event_type] = ordering
+        if retry is not None:
+            self._retry[event_type] = retry
 
     def on(
-        self, event_type: str, *, ordering: Ordering = "strict"
+        self, event_type: str, *, ordering: Ordering = "strict", retry: Retry | None = None
     ) -> Callable[[Handler], Handler]:
         """Decorator form of :meth:`register`."""
 
         def decorate(handler: Handler) -> Handler:
-            self.register(event_type, handler, ordering=ordering)
+            self.register(event_type, handler, ordering=ordering, retry=retry)
             return handler
 
         return decorate
@@ -98,6 +109,12 @@ class Handlers:
         if event_type in self._by_type:
             return self._ordering[event_type]
         return self._ordering.get("*", "strict")
+
+    def retry_for(self, event_type: str) -> Retry | None:
+        """The retry policy of the handler :meth:`get` returns; None: the group's default."""
+        if event_type in self._by_type:
+            return self._retry.get(event_type)
+        return self._retry.get("*")
 
     def after_commit(self, event_id: str, callback: Callable[[], None]) -> None:
         """From a handler: run ``callback`` once the claim of ``event_id`` committed and was

@@ -5,9 +5,14 @@ the batch's aggregates (sorted, so two consumers cannot deadlock), which seriali
 claims that touch the same aggregate: the duplicate and order checks below then read settled
 rows. SQLite's ``BEGIN IMMEDIATE`` already serializes whole transactions.
 
-The decisions (order per aggregate, whose fault an error is) are made by
-:mod:`consumer.ordering`, whose outcome vocabulary this module re-exports: ``inbox.APPLIED``,
-``inbox.Delivery``, ``inbox.claim`` are what the daemon and dead-letter replay use.
+The claim, in one transaction: fence check -> (PostgreSQL) advisory locks -> one lookup
+(receipts with their fingerprints, heads, trim floors, the batch's durable retry rows) ->
+decide each delivery and run the handlers -> write receipts (with fingerprints), heads and
+retry rows (upserted for a ``failed`` event with its next attempt time; deleted once it is
+settled) -> commit. The decisions (duplicates and conflicts, order per aggregate, retries,
+whose fault an error is) are made by :mod:`consumer.ordering`, whose outcome vocabulary this
+module re-exports: ``inbox.APPLIED``, ``inbox.Delivery``, ``inbox.claim`` are what the daemon
+and dead-letter replay use.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from sqlalchemy.sql import Select
 from outbox_relay.consumer.handlers import Handlers
 from outbox_relay.consumer.ordering import (
     APPLIED,
+    CONFLICTING_DUPLICATE,
     DEAD,
     DUPLICATE,
     FAILED,
@@ -53,17 +59,21 @@ from outbox_relay.consumer.ordering import (
     Delivery,
     Ledger,
     Outcome,
+    Receipt,
+    RetryState,
     aggregate_key,
     decide_batch,
 )
 from outbox_relay.consumer.prune import entry_key, partition_of
+from outbox_relay.consumer.retry import REJECTED, RETRY_HORIZON, PermanentError, Retry
 from outbox_relay.shared.db import is_postgres, json_recordset, now_ms, translate_errors
-from outbox_relay.shared.schema import inbox, inbox_heads, stream_trims
+from outbox_relay.shared.schema import consumer_retries, inbox, inbox_heads, stream_trims
 
 __all__ = [
-    "APPLIED", "DEAD", "DUPLICATE", "FAILED", "OUT_OF_ORDER", "RESURRECTED", "SUPERSEDED",
-    "WAITING",
-    "AggregateKey", "Delivery", "Outcome", "aggregate_key", "claim",
+    "APPLIED", "CONFLICTING_DUPLICATE", "DEAD", "DUPLICATE", "FAILED", "OUT_OF_ORDER",
+    "REJECTED", "RESURRECTED", "RETRY_HORIZON", "SUPERSEDED", "WAITING",
+    "AggregateKey", "Delivery", "Outcome", "PermanentError", "Retry", "aggregate_key", "claim",
+    "next_attempt_ms",
 ]
 
 
@@ -81,6 +91,8 @@ def claim(
     *,
     blocked: set[AggregateKey] | None = None,
     check: Callable[[Connection], None] | None = None,
+    retry: Retry | None = None,
+    now: int | None = None,
 ) -> list[Outcome]:
     """Claim a batch durably; return one outcome per delivery, in order.
 
@@ -89,7 +101,10 @@ def claim(
     event's receipt and its handler's writes commit together; a failing handler's writes roll
     back alone and the entry is ``failed`` (no receipt: it is retried). ``blocked`` holds the
     strict aggregates with an earlier entry failing or waiting; after the commit, the key of
-    every strict delivery that ended ``failed`` or ``waiting`` is added to it.
+    every strict delivery that ended ``failed`` or ``waiting`` is added to it. ``retry``: the
+    group's default policy (handlers registered without one); ``now``: the claim's clock in
+    epoch ms (default the host's), which retry rows are written and compared with.
+    :func:`next_attempt_ms` of the outcomes says when the batch's earliest retry is due.
 
     Errors: only a lost connection (or SQLite's ``database is locked``, contention) fails the
     whole claim (``UnavailableError``: retried); any other error raised in a handler, a bad
@@ -112,28 +127,53 @@ def claim(
             check(conn)
         if is_postgres(conn):
             conn.execute(_lock_query(), {"b_keys": sorted({_lock_key(group, d) for d in batch})})
-        seen, heads, below = _lookup(conn, group, batch)
-        ledger = Ledger(seen, heads, set(blocked or ()), below)
-        outcomes, ledger = decide_batch(conn, batch, ledger, handlers, group)
-        _write(conn, group, outcomes)
+        seen, heads, below, retries = _lookup(conn, group, batch)
+        ledger = Ledger(seen, heads, set(blocked or ()), below, retries,
+                        now_ms() if now is None else now)
+        outcomes, ledger = decide_batch(conn, batch, ledger, handlers, group, retry)
+        _write(conn, group, outcomes, ledger)
     if blocked is not None:
         blocked |= ledger.blocked
     return outcomes
 
-def _existing(conn: Connection, group: str, event_ids: list[str]) -> dict[str, str | None]:
+
+def next_attempt_ms(outcomes: Iterable[Outcome]) -> int | None:
+    """The earliest durable next attempt (epoch ms) among ``failed`` and not-yet-due
+    ``waiting`` outcomes; None when none of them retries. The daemon schedules its next
+    pending pass then, not at a fixed interval."""
+    times = [o.retry_at_ms for o in outcomes if o.retry_at_ms is not None]
+    return min(times) if times else None
+
+
+def _receipt(outcome: str, reason: str | None, fingerprint: str | None) -> Receipt:
+    return Receipt((reason or DEAD) if outcome == DEAD else None, fingerprint)
+
+
+def _existing(conn: Connection, group: str, event_ids: list[str]) -> dict[str, Receipt]:
     """The group's receipts among ``event_ids`` (SQLite; PostgreSQL reads them in
-    :func:`_lookup_query`): id -> the reason of a ``dead`` one, else None."""
-    rows = conn.execute(select(inbox.c.event_id, inbox.c.outcome, inbox.c.reason).where(
+    :func:`_lookup_query`)."""
+    rows = conn.execute(select(inbox.c.event_id, inbox.c.outcome, inbox.c.reason,
+                               inbox.c.fingerprint).where(
         inbox.c.group_name == group, inbox.c.event_id.in_(set(event_ids))))
-    return {i: (reason or DEAD) if outcome == DEAD else None for i, outcome, reason in rows}
+    return {i: _receipt(outcome, reason, fp) for i, outcome, reason, fp in rows}
+
+
+def _retries(conn: Connection, group: str, event_ids: list[str]) -> dict[str, RetryState]:
+    """The durable retry rows among ``event_ids`` (SQLite; PostgreSQL: :func:`_lookup_query`)."""
+    r = consumer_retries.c
+    rows = conn.execute(select(r.event_id, r.attempts, r.first_failed_at_ms,
+                               r.next_attempt_at_ms).where(
+        r.group_name == group, r.event_id.in_(set(event_ids))))
+    return {i: RetryState(n, first, nxt) for i, n, first, nxt in rows}
 
 
 def _lookup(
     conn: Connection, group: str, batch: list[Delivery]
-) -> tuple[dict[str, str | None], dict[AggregateKey, int], frozenset[str]]:
+) -> tuple[dict[str, Receipt], dict[AggregateKey, int], frozenset[str], dict[str, RetryState]]:
     """What the claim decides from: the group's receipts among the batch's events
-    (:func:`_existing`), the applied revisions of its aggregates (:func:`_heads`), and the
-    deliveries without a receipt below their stream's trim floor (``resurrected``).
+    (:func:`_existing`), the applied revisions of its aggregates (:func:`_heads`), the
+    deliveries without a receipt below their stream's trim floor (``resurrected``), and the
+    batch's durable retry rows (:func:`_retries`).
 
     On PostgreSQL one statement (:func:`_lookup_query`), where three round trips were most of
     a small claim's waiting. One statement reads one snapshot, and that is what the floor
@@ -149,28 +189,35 @@ def _lookup(
         if partition is not None and not d.replay:
             wanted.setdefault(partition, []).append(d)
     if not is_postgres(conn):
-        seen = _existing(conn, group, [d.event.id for d in batch])
-        floors = _floors(conn, wanted) if wanted else {}
-        return seen, _heads(conn, group, aggregates), _below(wanted, floors, seen)
+        event_ids = [d.event.id for d in batch]
+        found = _existing(conn, group, event_ids)
+        trims = _floors(conn, wanted) if wanted else {}
+        return (found, _heads(conn, group, aggregates), _below(wanted, trims, found),
+                _retries(conn, group, event_ids))
     types, ids = zip(*sorted(aggregates), strict=True) if aggregates else ((), ())
     streams, parts = zip(*sorted(wanted), strict=True) if wanted else ((), ())
     params = {"b_group": group, "b_ids": sorted({d.event.id for d in batch}),
               "b_types": list(types), "b_aids": list(ids), "b_streams": list(streams),
               "b_parts": list(parts)}
-    seen, heads, floors = {}, {}, {}
-    for kind, a, b, c, n in conn.execute(_lookup_query(), params):
+    seen: dict[str, Receipt] = {}
+    heads: dict[AggregateKey, int] = {}
+    floors: dict[tuple[str, int], str] = {}
+    retries: dict[str, RetryState] = {}
+    for kind, a, b, c, fp, n in conn.execute(_lookup_query(), params):
         if kind == "r":
-            seen[a] = (c or DEAD) if b == DEAD else None
+            seen[a] = _receipt(b, c, fp)
         elif kind == "h":
             heads[(a, b)] = n
+        elif kind == "x":
+            retries[a] = RetryState(int(b), int(c), n)
         else:
             floors[(a, int(b))] = c
-    return seen, heads, _below(wanted, floors, seen)
+    return seen, heads, _below(wanted, floors, seen), retries
 
 
 def _below(
     wanted: dict[tuple[str, int], list[Delivery]], floors: dict[tuple[str, int], str],
-    seen: dict[str, str | None],
+    seen: dict[str, Receipt],
 ) -> frozenset[str]:
     """The event ids of deliveries without a receipt whose entry id is below their stream's
     trim floor: ``resurrected``, never applied again."""
@@ -205,16 +252,22 @@ def _lock_query() -> Any:
 
 @functools.cache
 def _lookup_query() -> Any:
-    """The receipts, heads and floors of a batch in one ``UNION ALL`` (PostgreSQL), built
-    once. Rows are ``(kind, a, b, c, n)``: ``('r', event_id, outcome, reason, NULL)``,
-    ``('h', aggregate_type, aggregate_id, NULL, revision)``, ``('f', stream, partition,
-    floor_entry_id, NULL)``. Receipts and heads are probed key by key (:func:`_probe`)."""
+    """The receipts, heads, floors and retry rows of a batch in one ``UNION ALL``
+    (PostgreSQL), built once. Rows are ``(kind, a, b, c, d, n)``: ``('r', event_id, outcome,
+    reason, fingerprint, NULL)``, ``('h', aggregate_type, aggregate_id, NULL, NULL,
+    revision)``, ``('f', stream, partition, floor_entry_id, NULL, NULL)``, ``('x', event_id,
+    attempts, first_failed_at_ms, NULL, next_attempt_at_ms)``. Receipts, heads and retry rows
+    are probed key by key (:func:`_probe`)."""
     group = bindparam("b_group", type_=String)
     none_text, none_int = cast(None, String), cast(None, BigInteger)
     given_ids = func.unnest(bindparam("b_ids", type_=postgresql.ARRAY(String))).table_valued(
         "id", name="given_ids").render_derived()
-    receipt = _probe(select(inbox.c.event_id, inbox.c.outcome, inbox.c.reason).where(
+    receipt = _probe(select(inbox.c.event_id, inbox.c.outcome, inbox.c.reason,
+                            inbox.c.fingerprint).where(
         inbox.c.group_name == group, inbox.c.event_id == given_ids.c.id))
+    r = consumer_retries.c
+    retry = _probe(select(r.event_id, r.attempts, r.first_failed_at_ms, r.next_attempt_at_ms)
+                   .where(r.group_name == group, r.event_id == given_ids.c.id), "retry")
     given_heads = func.unnest(
         bindparam("b_types", type_=postgresql.ARRAY(String)),
         bindparam("b_aids", type_=postgresql.ARRAY(String)),
@@ -230,14 +283,17 @@ def _lookup_query() -> Any:
         bindparam("b_parts", type_=postgresql.ARRAY(Integer)),
     ).table_valued("s", "p", name="given_pairs").render_derived()
     return union_all(
-        select(literal("r"), receipt.c.event_id, receipt.c.outcome, receipt.c.reason, none_int)
-        .select_from(given_ids).join(receipt, true()),
-        select(literal("h"), head.c.aggregate_type, head.c.aggregate_id, none_text,
+        select(literal("r"), receipt.c.event_id, receipt.c.outcome, receipt.c.reason,
+               receipt.c.fingerprint, none_int).select_from(given_ids).join(receipt, true()),
+        select(literal("h"), head.c.aggregate_type, head.c.aggregate_id, none_text, none_text,
                head.c.revision).select_from(given_heads).join(head, true()),
         select(literal("f"), stream_trims.c.stream, cast(stream_trims.c.partition, String),
-               stream_trims.c.floor_entry_id, none_int)
+               stream_trims.c.floor_entry_id, none_text, none_int)
         .select_from(given_pairs).join(stream_trims, (stream_trims.c.stream == given_pairs.c.s)
                                        & (stream_trims.c.partition == given_pairs.c.p)),
+        select(literal("x"), retry.c.event_id, cast(retry.c.attempts, String),
+               cast(retry.c.first_failed_at_ms, String), none_text, retry.c.next_attempt_at_ms)
+        .select_from(given_ids).join(retry, true()),
     )
 
 
@@ -266,8 +322,8 @@ def _probe(query: Select[Any], name: str = "found") -> Any:
     """
     return query.limit(1).lateral(name)
 
-def _write(conn: Connection, group: str, outcomes: list[Outcome]) -> None:
-    now = now_ms()
+def _write(conn: Connection, group: str, outcomes: list[Outcome], ledger: Ledger) -> None:
+    now = ledger.now_ms
     receipts = [
         {
             "group_name": group,
@@ -280,10 +336,12 @@ def _write(conn: Connection, group: str, outcomes: list[Outcome]) -> None:
             "entry_id": o.delivery.entry_id,
             "outcome": o.outcome,
             "reason": o.error,
+            "fingerprint": o.delivery.fingerprint,
             "created_at_ms": now,
         }
         for o in outcomes
-        if o.outcome in (APPLIED, SUPERSEDED, DEAD)
+        # a conflicting duplicate leaves the receipt it conflicts with as it is
+        if o.outcome in (APPLIED, SUPERSEDED, DEAD) and o.error != CONFLICTING_DUPLICATE
     ]
     if receipts:
         _insert_receipts(conn, receipts)
@@ -298,6 +356,35 @@ def _write(conn: Connection, group: str, outcomes: list[Outcome]) -> None:
     applied_heads = _applied_heads(outcomes)
     if applied_heads:
         _upsert_heads(conn, group, applied_heads)
+    _write_retries(conn, group, outcomes, ledger)
+
+
+def _write_retries(conn: Connection, group: str, outcomes: list[Outcome], ledger: Ledger) -> None:
+    """Upsert the retry row of every ``failed`` event that retries (its attempts and next
+    attempt time); delete the rows of events this claim settled (applied, dead, superseded,
+    duplicate). A replay's failure writes none: its letter, not a pending entry, is its
+    record."""
+    r = consumer_retries.c
+    failed = [o for o in outcomes if o.outcome == FAILED and o.retry_at_ms is not None]
+    if failed:
+        first = {i: s.first_failed_ms for i, s in ledger.retries.items()}
+        rows = [{"group_name": group, "event_id": o.delivery.event.id,
+                 "stream_key": o.delivery.key, "entry_id": o.delivery.entry_id,
+                 "attempts": o.attempts,
+                 "first_failed_at_ms": first.get(o.delivery.event.id, ledger.now_ms),
+                 "next_attempt_at_ms": o.retry_at_ms, "last_error": (o.error or "")[:64],
+                 "updated_at_ms": ledger.now_ms} for o in failed]
+        ins = (postgresql.insert if is_postgres(conn) else sqlite.insert)(consumer_retries)
+        conn.execute(ins.on_conflict_do_update(
+            index_elements=["group_name", "event_id"],
+            set_={c: ins.excluded[c] for c in ("stream_key", "entry_id", "attempts",
+                                               "next_attempt_at_ms", "last_error",
+                                               "updated_at_ms")}), rows)
+    settled = [o.delivery.event.id for o in outcomes
+               if o.outcome not in (FAILED, WAITING) and o.delivery.event.id in ledger.retries]
+    if settled:
+        conn.execute(consumer_retries.delete().where(r.group_name == group,
+                                                     r.event_id.in_(settled)))
 
 
 def _applied_heads(outcomes: Iterable[Outcome]) -> dict[tuple[str, str], int]:
@@ -313,7 +400,7 @@ def _applied_heads(outcomes: Iterable[Outcome]) -> dict[tuple[str, str], int]:
 # Receipt columns that vary within a batch (group and time are the same for all of it).
 _RECEIPT_COLUMNS = (
     "event_id", "event_type", "aggregate_type", "aggregate_id", "revision", "stream_key",
-    "entry_id", "outcome", "reason",
+    "entry_id", "outcome", "reason", "fingerprint",
 )
 
 

@@ -1,19 +1,30 @@
-"""Deciding a claim's deliveries: order per aggregate, and whose fault an error is.
+"""Deciding a claim's deliveries: order per aggregate, retries, and whose fault an error is.
 
 The vocabulary of outcomes lives here (and is re-exported by :mod:`consumer.inbox`, whose
 claim transaction calls :func:`decide_batch`); this module runs handlers but issues no SQL of
-its own. For each delivery, in this order: a known event id is a ``duplicate``; an entry the
-claim found below its stream's trim floor without a receipt is ``resurrected`` (see
-:data:`RESURRECTED`); a delivery of
-a *blocked* aggregate (an earlier strict event of it failing or waiting) is ``waiting``, also
-a ``latest`` one (it would raise the head past the strict event);
-a delivery the daemon marked dead is ``dead``; a revision below the group's applied head is
-``dead`` with reason ``out_of_order`` (strict) or ``superseded`` (latest); otherwise (equal
-or newer: several events may share a revision) the handler runs (design.md flow 3).
+its own. For each delivery, in this order (design.md flow 3):
+
+1. a known event id is a ``duplicate`` when the receipt's fingerprint is the event's (or the
+   receipt has none: written before fingerprints existed, it is compared with nothing); with
+   another fingerprint it is ``dead`` as ``conflicting_duplicate`` (never applied, never a
+   quiet skip; the receipt stays as it is);
+2. an entry the claim found below its stream's trim floor without a receipt is
+   ``resurrected`` (see :data:`RESURRECTED`);
+3. a delivery of a *blocked* aggregate (an earlier strict event of it failing or waiting) is
+   ``waiting``, also a ``latest`` one (it would raise the head past the strict event);
+4. an event whose durable next attempt (consumer/retry.py) is not due yet is ``waiting``: its
+   handler does not run and the delivery does not count;
+5. a delivery the daemon marked dead is ``dead``;
+6. a revision below the group's applied head is ``dead`` with reason ``out_of_order``
+   (strict) or ``superseded`` (latest);
+7. otherwise (equal or newer: several events may share a revision) the handler runs. If it
+   raises: a permanent error is ``dead`` (``rejected``), a failure past the retry horizon is
+   ``dead`` (``retry_horizon``), anything else is ``failed`` with its next attempt time.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,9 +33,10 @@ from sqlalchemy import Connection, exc
 from sqlalchemy import exc as sa_exc
 
 from outbox_relay.consumer.handlers import Handler, Handlers
+from outbox_relay.consumer.retry import PermanentError, Retry, judge
 from outbox_relay.shared import tracing
 from outbox_relay.shared.db import is_postgres
-from outbox_relay.shared.envelope import Event
+from outbox_relay.shared.envelope import Event, fingerprint
 from outbox_relay.shared.errors import UnavailableError
 
 log = logging.getLogger(__name__)
@@ -32,6 +44,7 @@ log = logging.getLogger(__name__)
 APPLIED, DUPLICATE, SUPERSEDED = "applied", "duplicate", "superseded"
 DEAD, FAILED, WAITING = "dead", "failed", "waiting"
 OUT_OF_ORDER = "out_of_order"  # the reason of a strict event older than the applied head
+CONFLICTING_DUPLICATE = "conflicting_duplicate"  # a known id carrying another fingerprint
 RESURRECTED = "resurrected"
 """An entry below its stream's trim floor, delivered again without its receipt: acknowledged,
 never applied. The relay trims only what every group has acknowledged, and a receipt is pruned
@@ -57,6 +70,11 @@ class Delivery:
     dead_reason: str | None = None  # set when it must be recorded as dead, not applied
     replay: bool = False
 
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """:func:`shared.envelope.fingerprint` of the event (computed once per delivery)."""
+        return fingerprint(self.event)
+
 
 @dataclass(frozen=True)
 class Outcome:
@@ -65,12 +83,37 @@ class Outcome:
     ``error``: the dead reason, the failing handler's error name, or for a ``duplicate`` of a
     ``dead`` receipt that receipt's reason (so the daemon writes its letter again). ``head``:
     the applied revision an ``out_of_order`` / ``superseded`` event was compared with.
+    ``retry_at_ms``: for a ``failed`` or not-yet-due ``waiting`` event, its durable next
+    attempt time (epoch ms); ``attempts``: its failures so far. ``detail``: what the letter
+    says (a ``rejected`` handler's error; a ``conflicting_duplicate``'s two fingerprints,
+    ``"<receipt's> <delivered>"``).
     """
 
     delivery: Delivery
     outcome: str
     error: str | None = None
     head: int | None = None
+    retry_at_ms: int | None = None
+    attempts: int = 0
+    detail: str | None = None
+
+
+@dataclass(frozen=True)
+class RetryState:
+    """The durable retry row of one event (``outbox_consumer_retries``)."""
+
+    attempts: int
+    first_failed_ms: int
+    next_ms: int
+
+
+@dataclass(frozen=True)
+class Receipt:
+    """What the claim knows of an event id's receipt: the reason of a ``dead`` one (else
+    None) and its fingerprint (None for receipts written before fingerprints)."""
+
+    reason: str | None
+    fingerprint: str | None
 
 
 def aggregate_key(event: Event) -> AggregateKey | None:
@@ -84,44 +127,54 @@ def aggregate_key(event: Event) -> AggregateKey | None:
 class _HandlerFailed(Exception):
     """A handler on the optimistic path raised: redo the batch with a savepoint per handler."""
 
-    def __init__(self, delivery: Delivery, error: str) -> None:
-        super().__init__(error)
-        self.delivery, self.error = delivery, error
+    def __init__(self, delivery: Delivery, err: Exception) -> None:
+        super().__init__(type(err).__name__)
+        self.delivery, self.err = delivery, err
 
 
 @dataclass
 class Ledger:
-    """What one claim knows while it decides: receipts, applied heads, blocked aggregates."""
+    """What one claim knows while it decides: receipts, applied heads, blocked aggregates,
+    the batch's durable retry rows, and the claim's clock (``now_ms``)."""
 
-    seen: dict[str, str | None]  # event id -> the reason of its dead receipt, else None
+    seen: dict[str, Receipt]
     heads: dict[AggregateKey, int]
     blocked: set[AggregateKey] = field(default_factory=set)
     resurrected: frozenset[str] = frozenset()  # event ids below their stream's trim floor
+    retries: dict[str, RetryState] = field(default_factory=dict)
+    now_ms: int = 0
 
     def copy(self) -> Ledger:
-        return Ledger(dict(self.seen), dict(self.heads), set(self.blocked), self.resurrected)
+        return Ledger(dict(self.seen), dict(self.heads), set(self.blocked), self.resurrected,
+                      self.retries, self.now_ms)
 
 
 def decide_batch(
     conn: Connection, batch: list[Delivery], ledger: Ledger, handlers: Handlers,
-    group: str = "",
+    group: str = "", retry: Retry | None = None,
 ) -> tuple[list[Outcome], Ledger]:
     """Decide every delivery: optimistically under one savepoint, else one per handler.
-    ``group`` (the consumer group) only names the group in logs and trace spans."""
+    ``group`` (the consumer group) only names the group in logs and trace spans; ``retry``:
+    the group's default policy for handlers registered without one (None, as in dead-letter
+    replay: a failure of such a handler has no durable retry time and no horizon)."""
+    default = retry
     if len(batch) > 1:
         trial = ledger.copy()
         try:
             with conn.begin_nested():
-                return [_decide(conn, d, trial, handlers, False, group) for d in batch], trial
-        except _HandlerFailed as failure:
-            handlers.take_after_commit(set())  # rolled back: every handler runs again
-            _log_failure(failure.delivery, failure.error, failure.__cause__, group)
-            return [
-                _decide(conn, d, ledger, handlers, True, group,
-                        failed=failure.error if d is failure.delivery else None)
-                for d in batch
-            ], ledger
-    return [_decide(conn, d, ledger, handlers, True, group) for d in batch], ledger
+                return [_decide(conn, d, trial, handlers, False, group, default)
+                        for d in batch], trial
+        except _HandlerFailed as caught:
+            failure = caught
+        # Redone outside the ``except`` block: another handler failing in the redo must not
+        # be chained to this one (its logged traceback showed "during handling of ...").
+        handlers.take_after_commit(set())  # rolled back: every handler runs again
+        return [
+            _decide(conn, d, ledger, handlers, True, group, default,
+                    failed=failure.err if d is failure.delivery else None)
+            for d in batch
+        ], ledger
+    return [_decide(conn, d, ledger, handlers, True, group, default) for d in batch], ledger
 
 
 def _decide(
@@ -131,14 +184,19 @@ def _decide(
     handlers: Handlers,
     savepoints: bool,
     group: str,
-    failed: str | None = None,
+    default: Retry | None,
+    failed: Exception | None = None,
 ) -> Outcome:
     """One delivery (see the module docstring); ``failed``: its handler already raised in
     this claim (the redo after the optimistic path), so it is not run again."""
     event = d.event
     key = aggregate_key(event)
     if event.id in ledger.seen:
-        reason = ledger.seen[event.id]
+        receipt = ledger.seen[event.id]
+        if receipt.fingerprint is not None and receipt.fingerprint != d.fingerprint:
+            return Outcome(d, DEAD, CONFLICTING_DUPLICATE,
+                           detail=f"{receipt.fingerprint} {d.fingerprint}")
+        reason = receipt.reason
         return Outcome(d, DUPLICATE, reason, ledger.heads.get(key) if reason and key else None)
     if event.id in ledger.resurrected and not d.replay:
         return Outcome(d, RESURRECTED)
@@ -147,36 +205,64 @@ def _decide(
         # A latest event waits too: applied now, it would raise the head past the failing
         # strict one, which would then come back out_of_order.
         return Outcome(d, WAITING)
+    state = ledger.retries.get(event.id)
+    if state is not None and state.next_ms > ledger.now_ms and not d.replay:
+        if strict and key is not None:
+            ledger.blocked.add(key)
+        return Outcome(d, WAITING, retry_at_ms=state.next_ms, attempts=state.attempts)
     if d.dead_reason is not None:
-        ledger.seen[event.id] = None
+        ledger.seen[event.id] = Receipt(None, d.fingerprint)
         return Outcome(d, DEAD, d.dead_reason)
     head = ledger.heads.get(key) if key is not None else None
     behind = head is not None and event.revision is not None and event.revision < head
     if behind and not d.replay:
-        ledger.seen[event.id] = None
+        ledger.seen[event.id] = Receipt(None, d.fingerprint)
         return Outcome(d, DEAD, OUT_OF_ORDER, head) if strict else Outcome(
             d, SUPERSEDED, None, head)
     handler = handlers.get(event.type)
     if handler is None:
-        ledger.seen[event.id] = None
+        ledger.seen[event.id] = Receipt(None, d.fingerprint)
         return Outcome(d, DEAD, "unknown_type")
-    error = failed if failed is not None else _run(conn, d, handler, savepoints, group)
-    if error is not None:
-        if strict and key is not None:
-            ledger.blocked.add(key)
-        return Outcome(d, FAILED, error)
-    ledger.seen[event.id] = None
+    err = failed if failed is not None else _run(conn, d, handler, savepoints, group)
+    if err is not None:
+        return _failed(d, err, ledger, handlers.retry_for(event.type) or default, strict,
+                       key, group)
+    ledger.seen[event.id] = Receipt(None, d.fingerprint)
     if key is not None and event.revision is not None:
         ledger.heads[key] = max(event.revision, head if head is not None else event.revision)
     return Outcome(d, APPLIED)
 
 
+def _failed(d: Delivery, err: Exception, ledger: Ledger, policy: Retry | None, strict: bool,
+            key: AggregateKey | None, group: str) -> Outcome:
+    """A handler raised: dead (permanent, or past the horizon) or failed with its next
+    attempt time (consumer/retry.py); logged once, with the verdict."""
+    error = type(err).__name__
+    if policy is None:
+        _log_failure(d, error, err, group)
+        if strict and key is not None:
+            ledger.blocked.add(key)
+        return Outcome(d, FAILED, error)
+    state = ledger.retries.get(d.event.id)
+    verdict = judge(policy, err, error, state.attempts if state else 0,
+                    state.first_failed_ms if state else None, ledger.now_ms)
+    delay = None if verdict.next_ms is None else verdict.next_ms - ledger.now_ms
+    _log_failure(d, error, err, group, verdict.attempts, delay, verdict.reason)
+    if verdict.reason is not None and not d.replay:
+        ledger.seen[d.event.id] = Receipt(None, d.fingerprint)
+        text = f"{error}: {err}" if isinstance(err, PermanentError) else error
+        return Outcome(d, DEAD, verdict.reason, attempts=verdict.attempts, detail=text[:500])
+    if strict and key is not None:
+        ledger.blocked.add(key)
+    return Outcome(d, FAILED, error, retry_at_ms=None if d.replay else verdict.next_ms,
+                   attempts=verdict.attempts)
+
+
 def _run(
     conn: Connection, d: Delivery, handler: Handler, savepoints: bool, group: str
-) -> str | None:
+) -> Exception | None:
     """Run the handler (in a trace span, child of the producer's context when tracing is
-    on: :func:`shared.tracing.process_span`); the error name of its own failure, None when it
-    succeeded.
+    on: :func:`shared.tracing.process_span`); its own failure, None when it succeeded.
 
     Without savepoints (the optimistic path) a failure raises :class:`_HandlerFailed`. A lost
     connection or contention raises (the whole claim fails and is retried).
@@ -189,7 +275,7 @@ def _run(
                 handler(conn, event)
         except Exception as err:
             _raise_if_claim_lost(conn, err)
-            raise _HandlerFailed(d, type(err).__name__) from err
+            raise _HandlerFailed(d, err) from err
         return None
     try:
         with conn.begin_nested(), tracing.process_span(
@@ -198,14 +284,15 @@ def _run(
             handler(conn, event)
     except Exception as err:  # the handler's own failure: only its savepoint rolls back
         _raise_if_claim_lost(conn, err)
-        _log_failure(d, type(err).__name__, err, group)
-        return type(err).__name__
+        return err
     return None
 
 
-def _log_failure(d: Delivery, error: str, exc: BaseException | None, group: str) -> None:
+def _log_failure(d: Delivery, error: str, exc: BaseException | None, group: str,
+                 attempts: int = 0, delay_ms: int | None = None, dead: str | None = None) -> None:
     """A handler's failure, at WARNING with its traceback (redacted by the log handler) and
-    the event's id and type as structured fields: the entry stays pending and is retried."""
+    the event's id and type as structured fields; each failure on its own (never chained to
+    another handler's). Says what follows: the next attempt, or the dead reason."""
     event = d.event
     shown = exc
     if isinstance(exc, sa_exc.StatementError):
@@ -214,12 +301,14 @@ def _log_failure(d: Delivery, error: str, exc: BaseException | None, group: str)
         shown = _DatabaseError(f"{type(exc).__name__}: the database refused a statement of "
                                "the handler (driver message at DEBUG)")
         log.debug("handler for %s failed on %s", event.type, event.id, exc_info=exc)
+    then = (f"dead-lettered ({dead})" if dead else "retried" if delay_ms is None
+            else f"attempt {attempts}, retried in {max(0, delay_ms) / 1000:.1f}s")
     log.warning(
-        "handler for %s failed on %s: %s", event.type, event.id, error,
+        "handler for %s failed on %s: %s; %s", event.type, event.id, error, then,
         exc_info=(type(shown), shown, exc.__traceback__) if exc is not None and shown else None,
         extra={"event_id": event.id, "event_type": event.type, "stream_key": d.key,
                "entry_id": d.entry_id, "group": group, "error": error,
-               "deliveries": d.deliveries},
+               "deliveries": d.deliveries, "attempts": attempts, "dead_reason": dead},
     )
 
 

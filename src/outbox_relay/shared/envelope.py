@@ -10,12 +10,19 @@ A stream entry is a flat map of strings so that any Redis client in any language
 ``traceparent``/``tracestate`` are the CloudEvents distributed tracing extension (W3C Trace
 Context): the producer's span context, which the consumer's handler span continues.
 
-The ``id`` is the idempotency key: consumers record it in their inbox.
+The ``id`` is the idempotency key: consumers record it in their inbox, together with the
+event's :func:`fingerprint` (so a re-used id carrying other data is told from a duplicate).
+With a signing key the relay adds ``signature`` (shared/signing.py) over :func:`canonical`.
+
+JSON ``data`` must hold finite numbers only: ``NaN``, ``Infinity`` and numbers too large for a
+double (``1e999``) are refused (``non_finite_number``): other JSON readers refuse or change them.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import math
 from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
@@ -139,7 +146,11 @@ class Event(BaseModel):
         data: Any = text
         if text is not None and content_type == JSON_CONTENT_TYPE:
             try:
-                data = json.loads(text)
+                data = json.loads(text, parse_float=_finite_float, parse_constant=_no_constant)
+            except _NonFinite:
+                raise InvalidEventError(
+                    "data holds a non-finite number (NaN, Infinity, or one too large for a "
+                    "double such as 1e999)", code="non_finite_number") from None
             except (ValueError, RecursionError):  # RecursionError: absurdly deep nesting
                 raise InvalidEventError("data is not valid JSON", code="bad_json") from None
         revision = fields.get("revision")
@@ -158,6 +169,54 @@ class Event(BaseModel):
             raise InvalidEventError(
                 f"invalid attribute: {_first_location(exc)}", code="bad_field"
             ) from None
+
+
+class _NonFinite(Exception):
+    """JSON data held ``NaN``/``Infinity`` or an overflowing number (see :meth:`Event._build`)."""
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # "1e999" parses to inf
+        raise _NonFinite(text)
+    return value
+
+
+def _no_constant(text: str) -> Any:
+    raise _NonFinite(text)  # NaN, Infinity, -Infinity: not JSON (RFC 8259)
+
+
+def fingerprint(event: Event) -> str:
+    """A hash of what an event says: ``type``, ``source``, aggregate type, id and revision,
+    and ``data`` (lowercase hex SHA-256 of their canonical JSON, object keys sorted).
+
+    The inbox stores it with each receipt: a redelivered id with the same fingerprint is a
+    duplicate; with another one it is ``conflicting_duplicate``. Time and trace context are
+    left out: the relay re-sends an event with the same ones, and they change nothing a
+    handler applies. Data is hashed as parsed (``{"a":1, "b":2}`` and ``{"b":2,"a":1}`` are
+    one value), so a foreign producer's whitespace or key order is no conflict.
+    """
+    body = [event.type, event.source, event.aggregatetype, event.aggregateid, event.revision,
+            event.datacontenttype, event.data]
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def canonical(fields: Mapping[bytes, bytes] | Mapping[str, str], *, exclude: str) -> bytes:
+    """The bytes an entry's signature covers (docs/wire-format.md, "Signatures"): every field
+    but ``exclude``, sorted by name (bytewise, UTF-8), each written as
+    ``<len(name)>:<name><len(value)>:<value>`` with lengths in bytes, in decimal.
+
+    Length prefixes make the form unambiguous (no separator can be forged inside a value), and
+    covering every field means nothing can be added to a signed entry either.
+    """
+    pairs = sorted(
+        (k.encode("utf-8") if isinstance(k, str) else k,
+         v.encode("utf-8") if isinstance(v, str) else v)
+        for k, v in fields.items()
+    )
+    skip = exclude.encode("utf-8")
+    return b"".join(b"%d:%s%d:%s" % (len(k), k, len(v), v) for k, v in pairs if k != skip)
 
 
 def _decode(raw: Mapping[bytes, bytes] | Mapping[str, str]) -> dict[str, str]:

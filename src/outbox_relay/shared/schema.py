@@ -83,6 +83,8 @@ inbox = Table(
     Column("reason", String(64)),
     Column("duplicates", Integer, nullable=False, server_default=text("0")),
     Column("created_at_ms", BigInteger, nullable=False),
+    # shared.envelope.fingerprint of the event the receipt settled (NULL: written before 0007).
+    Column("fingerprint", String(64)),
     PrimaryKeyConstraint("group_name", "event_id"),
     Index("ix_outbox_inbox_created", "created_at_ms"),
 )
@@ -98,6 +100,25 @@ inbox_heads = Table(
     Column("updated_at_ms", BigInteger, nullable=False, server_default=text("0")),
     PrimaryKeyConstraint("group_name", "aggregate_type", "aggregate_id"),
     Index("ix_outbox_inbox_heads_updated", "updated_at_ms"),
+)
+
+consumer_retries = Table(
+    "outbox_consumer_retries",
+    metadata,
+    # One row per group and event whose handler failed and is retried (consumer/retry.py):
+    # the durable next attempt time survives a restart and a takeover by another consumer.
+    # Deleted when the event is applied or dead-lettered.
+    Column("group_name", String(64), nullable=False),
+    Column("event_id", String(512), nullable=False),
+    Column("stream_key", String(256), nullable=False),
+    Column("entry_id", String(48), nullable=False),
+    Column("attempts", Integer, nullable=False),
+    Column("first_failed_at_ms", BigInteger, nullable=False),
+    Column("next_attempt_at_ms", BigInteger, nullable=False),
+    Column("last_error", String(64)),
+    Column("updated_at_ms", BigInteger, nullable=False),
+    PrimaryKeyConstraint("group_name", "event_id"),
+    Index("ix_outbox_consumer_retries_next", "group_name", "next_attempt_at_ms"),
 )
 
 relay_leases = Table(

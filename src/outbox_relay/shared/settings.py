@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BeforeValidator, Field, field_validator, model_validator
+from pydantic import BeforeValidator, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from outbox_relay.shared.keys import DEFAULT_PREFIX, check_name
@@ -100,6 +100,12 @@ class DaemonSettings(CommonSettings):
         description="Port serving /metrics (OpenMetrics), /healthz and /readyz (0 = off).",
     )
     metrics_host: str = Field("0.0.0.0", description="Address the metrics port listens on.")
+    signing_key: SecretStr = Field(
+        SecretStr(""),
+        description="HMAC-SHA256 keys (comma-separated, 16+ characters each; the first signs, "
+        "all verify): relays sign every entry, consumers dead-letter unsigned or forged ones "
+        "(bad_signature). Empty = off. See docs/security.md.",
+    )
 
 
 class RetentionSettings(CommonSettings):
@@ -227,6 +233,23 @@ class ConsumerSettings(DaemonSettings, RetentionSettings):
     max_deliveries: int = Field(
         5, ge=1, description="Deliveries after which an entry is dead-lettered."
     )
+    retry_first_delay_s: float = Field(
+        1.0, ge=0, description="Default retry policy: wait after a handler's first failure."
+    )
+    retry_factor: float = Field(
+        2.0, ge=1, description="Default retry policy: each further wait is this many times longer."
+    )
+    retry_max_delay_s: Duration = Field(
+        300.0, description="Default retry policy: the longest wait between two attempts."
+    )
+    retry_jitter: float = Field(
+        0.2, ge=0, le=1, description="Default retry policy: each wait is spread by +/- this share."
+    )
+    retry_horizon: Duration = Field(
+        6 * 3600.0,
+        description="Default retry policy: a failing event is dead-lettered (retry_horizon) "
+        "once its first failure is this old; 0 dead-letters at the first failure.",
+    )
     claim_idle_ms: int = Field(
         30_000, ge=100,
         description="Deprecated and ignored: the owner of a partition stream takes over its "
@@ -254,6 +277,12 @@ class ConsumerSettings(DaemonSettings, RetentionSettings):
     @classmethod
     def _group(cls, value: str) -> str:
         return check_name("group", value)
+
+    @model_validator(mode="after")
+    def _retry_delays(self) -> ConsumerSettings:
+        if self.retry_max_delay_s < self.retry_first_delay_s:
+            raise ValueError("retry_max_delay_s must be at least retry_first_delay_s")
+        return self
 
     @model_validator(mode="after")
     def _lease_outlasts_reads(self) -> ConsumerSettings:
