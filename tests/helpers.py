@@ -82,6 +82,8 @@ def consumer_settings(key_prefix: str, **overrides: Any) -> ConsumerSettings:
         "claim_idle_ms": 100,
         "claim_interval_ms": 100,
         "max_deliveries": 3,
+        "retry_first_delay_s": 0,  # a failed entry is due again at the next pending pass
+        "retry_max_delay_s": 0,
         "redis_timeout_s": 5.0,
     }
     values.update(overrides)

@@ -41,7 +41,7 @@ def assert_logged_with_traceback(record: logging.LogRecord, ev: Event) -> None:
 
 
 def failing_handler(conn: Connection, ev: Event) -> None:
-    if ev.aggregateid == "bad":
+    if ev.aggregateid in ("bad", "bad2"):
         raise RuntimeError(f"cannot reach {URL}")
 
 
@@ -115,3 +115,30 @@ def test_a_database_error_in_a_handler_keeps_the_statement_and_its_data_out_of_w
     assert "in handler" in line and "the database refused a statement" in line
     debug = [r for r in caplog.records if r.levelno == logging.DEBUG and r.exc_info]
     assert any("card-4242" in logging.Formatter().format(r) for r in debug)
+
+
+def test_two_failing_handlers_in_one_batch_are_logged_each_on_its_own(
+    engine: Engine, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The redo after the optimistic path ran inside the ``except`` of the first failure, so
+    the second handler's traceback was chained to it ("During handling of the above
+    exception ... _HandlerFailed")."""
+    handlers = Handlers()
+    handlers.register("*", failing_handler)
+    events = [event("bad", 1), event("ok", 1), event("bad", 2, type="other.thing")]
+    batch = [inbox.Delivery("k:0", f"1-{i}", ev, 1) for i, ev in enumerate(events)]
+    with caplog.at_level(logging.WARNING, logger="outbox_relay.consumer"):
+        outcomes = inbox.claim(engine, "g", batch, handlers)
+    assert [o.outcome for o in outcomes] == [inbox.FAILED, inbox.APPLIED, inbox.WAITING]
+    events[2] = event("bad2", 1)  # another aggregate: it runs (and fails) in the redo
+    batch = [inbox.Delivery("k:0", f"2-{i}", ev, 1) for i, ev in enumerate(events)]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="outbox_relay.consumer"):
+        inbox.claim(engine, "g2", batch, handlers)
+    failing_handler_bad2 = [r for r in caplog.records if getattr(r, "event_id", "") in (
+        events[0].id, events[2].id)]
+    assert len(failing_handler_bad2) == 2
+    for record in failing_handler_bad2:
+        line = JsonFormatter().format(record)
+        assert "_HandlerFailed" not in line and "During handling" not in line, line
+        assert line.count("Traceback (most recent call last)") == 1

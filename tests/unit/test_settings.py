@@ -81,7 +81,7 @@ def test_stream_names_are_split_and_checked() -> None:
         (RelaySettings, "batch_size", 0),
         (RelaySettings, "lease_ttl_ms", 10),
         (RelaySettings, "redis_timeout_s", 0),
-        (ConsumerSettings, "max_deliveries", 0),
+        (ConsumerSettings, "max_deliveries", -1),
         (ConsumerSettings, "claim_idle_ms", 1),
     ],
 )

@@ -38,20 +38,22 @@ from typing import TYPE_CHECKING
 import redis
 from sqlalchemy import Connection, Engine
 
-from outbox_relay.consumer import inbox, lost, streams
+from outbox_relay.consumer import inbox, letters, lost, streams, validate
 from outbox_relay.consumer import ownership as ownership_
 from outbox_relay.consumer.handlers import Handlers
 from outbox_relay.consumer.hygiene import HygieneStats
 from outbox_relay.consumer.prune import PruneStats
 from outbox_relay.consumer.read_states import DRAINING, READABLE, ReadStates
+from outbox_relay.consumer.retry import Retry
 from outbox_relay.consumer.streams import Entry
 from outbox_relay.shared import faults, keys, partition_counts
 from outbox_relay.shared.daemon_control import Backoff, stop_on_signals
-from outbox_relay.shared.envelope import Event
+from outbox_relay.shared.db import now_ms
 from outbox_relay.shared.errors import InvalidEventError, UnavailableError
 from outbox_relay.shared.periodic import Periodic, run_due
 from outbox_relay.shared.periodic import shutdown as shutdown_periodic
 from outbox_relay.shared.settings import ConsumerSettings
+from outbox_relay.shared.signing import Signer
 
 if TYPE_CHECKING:
     from outbox_relay.consumer.metrics import ConsumerMetrics
@@ -77,6 +79,8 @@ class ConsumerStats:
     lease_losses: int = 0  # claims refused because a partition stream was taken over
     lost: int = 0  # entries that vanished from the stream while pending (receipt ``lost``)
     resurrected: int = 0  # trimmed entries Redis brought back (acked, not applied again)
+    retried: int = 0  # failures given a later attempt (consumer/retry.py; also in ``failed``)
+    conflicting: int = 0  # redelivered ids carrying other data (also in ``dead``)
 
 
 class Consumer:
@@ -119,6 +123,11 @@ class Consumer:
         # Each owned stream draining (a pending pass due before anything new) or readable.
         self.reads = ReadStates()
         self._next_pending_check = 0.0
+        # The group's default retry policy, and when (monotonic s) the earliest retry of an
+        # entry we hold is due: a pending pass runs then (consumer/retry.py).
+        self.retry = Retry.from_settings(settings)
+        self._retry_due: float | None = None
+        self.signer = Signer.from_setting(settings.signing_key.get_secret_value())
         self._groups_ready = False
         self._backoff = Backoff()
         # Housekeeping between batches (retention, group hygiene): see shared/periodic.py.
@@ -303,6 +312,9 @@ class Consumer:
         readable = self.leases.readable()
         if self.reads.draining(readable, self.leases.held):
             return True
+        if self._retry_due is not None and time.monotonic() >= self._retry_due:
+            self._retry_due = None  # the pass's claims schedule the next one
+            return True
         if time.monotonic() < self._next_pending_check:
             return False
         self._next_pending_check = time.monotonic() + self.settings.claim_interval_ms / 1000
@@ -376,14 +388,14 @@ class Consumer:
             return 0
         self.stats.read += len(entries)
         s = self.settings
-        to_ack, letters, batch = self._letters_validate(entries)
-        to_ack += self._record_lost([e for e in entries if e.fields is None], letters)
-        streams.dead_letter(self.client, s.key_prefix, letters, s.group, self.name)
+        to_ack, invalid, batch = self._letters_validate(entries)
+        to_ack += self._record_lost([e for e in entries if e.fields is None], invalid)
+        streams.dead_letter(self.client, s.key_prefix, invalid, s.group, self.name)
         check = self._fence_check(sorted({d.key for d in batch})) if batch else None
         started = time.perf_counter()
         try:
             outcomes = inbox.claim(self.engine, s.group, batch, self.handlers,
-                                   blocked=self.blocked, check=check)
+                                   blocked=self.blocked, check=check, retry=self.retry)
         except BaseException:
             self.handlers.take_after_commit(set())  # rolled back: drop scheduled work
             raise
@@ -392,7 +404,8 @@ class Consumer:
         faults.point("consumer.after_commit")
         by_id = {(e.key, e.entry_id): e for e in entries}
         _warn_resurrected(outcomes, s.group)
-        letters, waiting = [], []
+        self._schedule_retry(inbox.next_attempt_ms(outcomes))
+        dead, waiting = [], []
         for o in outcomes:
             entry = by_id[(o.delivery.key, o.delivery.entry_id)]
             self._count(o)
@@ -401,8 +414,8 @@ class Consumer:
             elif o.outcome != inbox.FAILED:
                 to_ack.append(entry)
                 if o.error is not None and o.outcome in (inbox.DEAD, inbox.DUPLICATE):
-                    letters.append(_letters_of(entry, o))
-        streams.dead_letter(self.client, s.key_prefix, letters, s.group, self.name)
+                    dead.append(letters.of(entry, o))
+        streams.dead_letter(self.client, s.key_prefix, dead, s.group, self.name)
         streams.restore_delivery_count(self.client, s.group, self.name, waiting)
         streams.ack(self.client, s.group, to_ack)
         faults.point("consumer.after_ack")
@@ -417,9 +430,11 @@ class Consumer:
     ) -> tuple[list[Entry], list[tuple[Entry, str, str]], list[inbox.Delivery]]:
         """Split a batch: (to ack now, their letters, deliveries to claim).
 
-        Unparsable entries get a letter and are acknowledged; an unknown type or
-        too many deliveries marks the delivery dead (the claim still decides: a delivery of a
-        blocked aggregate waits whatever its counter says).
+        Unparsable entries, and with a signing key unsigned or forged ones
+        (:mod:`consumer.validate`), get a letter and are acknowledged, without a receipt; an
+        unknown type or too many deliveries (when ``max_deliveries`` is set) marks the
+        delivery dead (the claim still decides: a delivery of a blocked aggregate waits
+        whatever its counter says).
         """
         s = self.settings
         to_ack: list[Entry] = []
@@ -429,7 +444,7 @@ class Consumer:
             if entry.fields is None:  # vanished while pending: see _record_lost
                 continue
             try:
-                event = Event.from_fields(entry.fields, max_data_bytes=s.max_data_bytes)
+                event = validate.parse(entry.fields, s.max_data_bytes, self.signer)
             except InvalidEventError as err:
                 letters.append((entry, err.code, err.message))
                 to_ack.append(entry)
@@ -438,7 +453,7 @@ class Consumer:
             reason = None
             if self.handlers.get(event.type) is None:
                 reason = "unknown_type"
-            elif entry.deliveries > s.max_deliveries:
+            elif s.max_deliveries and entry.deliveries > s.max_deliveries:
                 reason = "max_deliveries"
             batch.append(inbox.Delivery(entry.key, entry.entry_id, event, entry.deliveries, reason))
         return to_ack, letters, batch
@@ -480,6 +495,21 @@ class Consumer:
         setattr(self.stats, attr, getattr(self.stats, attr) + 1)
         if o.outcome == inbox.DEAD and o.error == inbox.OUT_OF_ORDER:
             self.stats.out_of_order += 1
+        elif o.outcome == inbox.DEAD and o.error == inbox.CONFLICTING_DUPLICATE:
+            self.stats.conflicting += 1
+        elif o.outcome == inbox.FAILED and o.retry_at_ms is not None:
+            self.stats.retried += 1
+
+    def _schedule_retry(self, at_ms: int | None) -> None:
+        """A pending pass when the earliest retry of the batch is due (if before the one
+        already scheduled), not at a fixed interval. A retry due at once (a policy without
+        delay) waits for the next ``claim_interval_ms`` pass instead: never a hot loop."""
+        wait_ms = None if at_ms is None else at_ms - now_ms()
+        if wait_ms is None or wait_ms <= 0:
+            return
+        due = time.monotonic() + wait_ms / 1000
+        if self._retry_due is None or due < self._retry_due:
+            self._retry_due = due
 
     def _ensure_groups(self) -> None:
         if not self._groups_ready:
@@ -500,16 +530,3 @@ def _warn_resurrected(outcomes: list[inbox.Outcome], group: str) -> None:
                     "; acknowledged without applying them", len(back),
                     extra={"group": group, "stream_key": back[0].key,
                            "entry_id": back[0].entry_id, "resurrected": len(back)})
-
-
-def _letters_of(entry: Entry, o: inbox.Outcome) -> tuple[Entry, str, str]:
-    """The letter of a dead outcome; an ``out_of_order`` one names both revisions
-    (``dlq.revision``: the event's, ``dlq.head``: the applied one it arrived behind)."""
-    reason = o.error or inbox.DEAD
-    if reason != inbox.OUT_OF_ORDER:
-        return entry, reason, f"dead-lettered: {reason}"
-    rev, head = o.delivery.event.revision, o.head
-    fields = {**(entry.fields or {}), b"dlq.revision": str(rev).encode(),
-              b"dlq.head": str(head if head is not None else "").encode()}
-    return (Entry(entry.key, entry.entry_id, fields, entry.deliveries), reason,
-            f"revision {rev} arrived after revision {head} was applied")

@@ -231,7 +231,9 @@ class ConsumerSettings(DaemonSettings, RetentionSettings):
     batch_size: int = Field(200, ge=1, le=10_000, description="Entries read per XREADGROUP.")
     block_ms: int = Field(1_000, ge=1, description="XREADGROUP BLOCK time.")
     max_deliveries: int = Field(
-        5, ge=1, description="Deliveries after which an entry is dead-lettered."
+        0, ge=0,
+        description="Deliveries after which an entry is dead-lettered (0 = off: retries end "
+        "at retry_horizon instead). A not-yet-due retry does not count as a delivery.",
     )
     retry_first_delay_s: float = Field(
         1.0, ge=0, description="Default retry policy: wait after a handler's first failure."
