@@ -171,3 +171,14 @@ def test_event_is_frozen() -> None:
     event = Event.from_fields(valid_fields())
     with pytest.raises(ValueError):
         event.id = "other"
+
+
+@pytest.mark.parametrize("data", ['{"x":1e999}', '{"x":NaN}', "[Infinity]", "-Infinity"])
+def test_non_finite_numbers_in_data_are_refused(data: str) -> None:
+    from outbox_relay.shared.errors import InvalidEventError
+
+    fields = {"specversion": "1.0", "id": "e1", "source": "s", "type": "t",
+              "time": "2026-01-01T00:00:00Z", "data": data}
+    with pytest.raises(InvalidEventError) as caught:
+        Event.from_fields(fields)
+    assert caught.value.code == "non_finite_number"

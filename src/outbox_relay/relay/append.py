@@ -35,6 +35,7 @@ from outbox_relay.shared import keys, tracing
 from outbox_relay.shared.envelope import JSON_CONTENT_TYPE, SPECVERSION, encode_fields
 from outbox_relay.shared.errors import StreamBehindError, UnavailableError
 from outbox_relay.shared.redis_conn import is_cluster, node_of, translate_redis_errors
+from outbox_relay.shared.signing import Signer
 
 log = logging.getLogger(__name__)
 
@@ -136,16 +137,18 @@ class Verdicts:
         return not (self.gaps or self.failed or self.not_appended)
 
 
-def to_fields(row: OutboxRow) -> dict[str, str]:
+def to_fields(row: OutboxRow, signer: Signer | None = None) -> dict[str, str]:
     """The CloudEvents fields of a row, by the one encoder (:func:`shared.envelope.encode_fields`).
 
     Built directly from the row instead of through the pydantic model, which cost more than
     the ``XADD`` itself. The payload is stored as compact JSON text by the producer and goes
     out as it is (the model would parse and re-serialize it to the same text); a row that is
-    not valid JSON reaches consumers, which dead-letter it with ``bad_json``.
+    not valid JSON reaches consumers, which dead-letter it with ``bad_json``. With a
+    ``signer`` (``OUTBOX_SIGNING_KEY``) the fields end with their ``signature``
+    (shared/signing.py).
     """
     traceparent, tracestate = _trace_headers(row)
-    return encode_fields(
+    fields = encode_fields(
         event_id=row.event_id,
         source=row.source,
         type=row.type,
@@ -158,6 +161,7 @@ def to_fields(row: OutboxRow) -> dict[str, str]:
         traceparent=traceparent,
         tracestate=tracestate,
     )
+    return fields if signer is None else signer.signed(fields)
 
 
 def _trace_headers(row: OutboxRow) -> tuple[Any, Any]:
@@ -249,9 +253,13 @@ def entry_json(row: OutboxRow) -> str:
     return text + "]]"
 
 
-def batch_json(rows: list[OutboxRow]) -> str:
+def batch_json(rows: list[OutboxRow], signer: Signer | None = None) -> str:
     """The script's entries argument: ``json.dumps`` of ``[[entry id, [field, value, ...]],
-    ...]`` (``ensure_ascii=False``, compact), written by :func:`entry_json` row by row."""
+    ...]`` (``ensure_ascii=False``, compact), written by :func:`entry_json` row by row; with a
+    ``signer``, from :func:`to_fields` (signed) and ``json.dumps``."""
+    if signer is not None:
+        return json.dumps([[r.entry_id, [x for kv in to_fields(r, signer).items() for x in kv]]
+                           for r in rows], ensure_ascii=False, separators=(",", ":"))
     return "[" + ",".join([entry_json(r) for r in rows]) + "]"
 
 
@@ -262,6 +270,7 @@ def append(
     epoch: int,
     maxlen: int = 0,
     floors: dict[str, str] | None = None,
+    signer: Signer | None = None,
 ) -> Verdicts:
     """Append a partition's batch (rows in id order) with :data:`SCRIPT`, one call per stream
     key, under the fence of lease ``epoch``; classify every row.
@@ -280,7 +289,7 @@ def append(
     for row in rows:
         subs.setdefault(keys.stream_key(prefix, row.stream, row.partition), []).append(row)
     floors = {} if floors is None else floors
-    calls = [_call_args(prefix, sub, epoch, maxlen, floors.get(key, ""))
+    calls = [_call_args(prefix, sub, epoch, maxlen, floors.get(key, ""), signer)
              for key, sub in subs.items()]
     span = tracing.publish_span(list(subs), (r.headers for r in rows), len(rows))
     with span, translate_redis_errors():
@@ -304,14 +313,15 @@ def _raise_floor(floors: dict[str, str], key: str, ids: list[str], verdicts: Ver
 
 
 def _call_args(
-    prefix: str, sub: list[OutboxRow], epoch: int, maxlen: int, floor: str
+    prefix: str, sub: list[OutboxRow], epoch: int, maxlen: int, floor: str,
+    signer: Signer | None = None,
 ) -> tuple[Any, ...]:
     first = sub[0]
     return (
         keys.stream_key(prefix, first.stream, first.partition),
         keys.fence_key(prefix, first.stream, first.partition),
         epoch,
-        batch_json(sub),
+        batch_json(sub, signer),
         maxlen,
         floor,
     )

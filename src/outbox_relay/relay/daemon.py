@@ -375,7 +375,7 @@ class Relay:
         s = self.settings
         started = time.perf_counter()
         verdicts = append.append(self.client, s.key_prefix, rows, epoch, s.stream_maxlen_unsafe,
-                                 self.repairer.floors)
+                                 self.repairer.floors, self.repairer.signer)
         if self.metrics is not None:
             self.metrics.appended(len(rows), verdicts, time.perf_counter() - started)
         confirmed = not verdicts.delivered or append.durability_barrier(

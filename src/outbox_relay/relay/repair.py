@@ -50,6 +50,7 @@ from outbox_relay.shared import keys
 from outbox_relay.shared.db import now_ms
 from outbox_relay.shared.errors import LeaseLostError
 from outbox_relay.shared.settings import RelaySettings
+from outbox_relay.shared.signing import Signer
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +110,7 @@ def compare(
 
 def repair(
     engine: Engine, client: redis.Redis, finding: Finding, *, epoch: int, maxlen: int = 0,
-    chunk: int = CHUNK,
+    chunk: int = CHUNK, signer: Signer | None = None,
 ) -> tuple[str, int]:
     """Bring one behind stream back in step as the owner of ``epoch``.
 
@@ -126,13 +127,13 @@ def repair(
     present = finding.state.entries_added if maxlen else finding.state.length
     added = 0
     if present >= at_or_below:
-        added = refill(client, finding, epoch, above, chunk)
+        added = refill(client, finding, epoch, above, chunk, signer)
         if added == len(above):
             if not above and finding.newest is not None:  # all trimmed on purpose, then lost
                 streams.raise_top(client, finding.key, finding.fence, epoch, finding.newest)
             return "refill", added
     rows = store.delivered_rows(engine, finding.stream, finding.partition)
-    restored = rebuild(client, finding, epoch, rows, maxlen, chunk)
+    restored = rebuild(client, finding, epoch, rows, maxlen, chunk, signer)
     if restored is None:
         return "changed", added
     log.warning("repair: rebuild %s (%s): %d entries appended back under their original ids",
@@ -142,7 +143,7 @@ def repair(
 
 def refill(
     client: redis.Redis, finding: Finding, epoch: int, rows: Sequence[outgoing.OutboxRow],
-    chunk: int = CHUNK,
+    chunk: int = CHUNK, signer: Signer | None = None,
 ) -> int:
     """Append ``rows`` (above the top, in id order) in fenced chunks; how many landed.
 
@@ -150,7 +151,7 @@ def refill(
     """
     added = 0
     for start in range(0, len(rows), chunk):
-        part = [(r.entry_id, _flat(r)) for r in rows[start : start + chunk]]
+        part = [(r.entry_id, _flat(r, signer)) for r in rows[start : start + chunk]]
         landed, refusal = streams.refill(client, finding.key, finding.fence, epoch, part)
         added += landed
         if landed:  # as each chunk lands: a relay killed before the end still says what it did
@@ -164,7 +165,7 @@ def refill(
 
 def rebuild(
     client: redis.Redis, finding: Finding, epoch: int, rows: Sequence[outgoing.OutboxRow],
-    maxlen: int = 0, chunk: int = CHUNK,
+    maxlen: int = 0, chunk: int = CHUNK, signer: Signer | None = None,
 ) -> int | None:
     """Rebuild the stream from ``rows`` (all delivered, in id order) and its own entries.
 
@@ -174,7 +175,7 @@ def rebuild(
     """
     before = streams.begin_rebuild(client, finding.key, finding.fence, epoch)
     current = streams.read_entries(client, finding.key, before.top, chunk) if before.exists else []
-    merged = merge(rows, current)
+    merged = merge(rows, current, signer)
     cut = len(merged) - maxlen if maxlen else 0
     keep = [e for i, e in enumerate(merged) if i >= cut or not e.restored]
     for start in range(0, len(keep), chunk):
@@ -196,10 +197,11 @@ def rebuild(
     return sum(1 for e in keep if e.restored)
 
 
-def merge(rows: Iterable[outgoing.OutboxRow], current: Iterable[Entry]) -> list[Entry]:
+def merge(rows: Iterable[outgoing.OutboxRow], current: Iterable[Entry],
+          signer: Signer | None = None) -> list[Entry]:
     """Delivered ``rows`` and the stream's ``current`` entries (both in id order) as one list
     in id order, one entry per id: the stream's own copy wins over the outbox's."""
-    restored = (Entry(r.entry_id, _flat(r), restored=True) for r in rows)
+    restored = (Entry(r.entry_id, _flat(r, signer), restored=True) for r in rows)
     out: list[Entry] = []
     for entry in heapq.merge(current, restored, key=lambda e: entry_ids.parse(e.id)):
         if not out or out[-1].id != entry.id:
@@ -207,8 +209,9 @@ def merge(rows: Iterable[outgoing.OutboxRow], current: Iterable[Entry]) -> list[
     return out
 
 
-def _flat(row: outgoing.OutboxRow) -> list[bytes | str]:
-    return [part for pair in append.to_fields(row).items() for part in pair]
+def _flat(row: outgoing.OutboxRow, signer: Signer | None = None) -> list[bytes | str]:
+    """A row's fields as the relay appends them (signed with ``OUTBOX_SIGNING_KEY``)."""
+    return [part for pair in append.to_fields(row, signer).items() for part in pair]
 
 class Repairer:
     """Runs the check on the relay's own partitions: at start, then every ``interval_s``."""
@@ -225,6 +228,7 @@ class Repairer:
         self.engine = engine
         self.client = client
         self.node_id = node_id
+        self.signer = Signer.from_setting(settings.signing_key.get_secret_value())
         self.interval_s = interval_s
         self.stats = RepairStats()
         # Stream key -> the newest entry id the outbox says the stream holds: the relay's
@@ -277,7 +281,7 @@ class Repairer:
                 continue
             try:
                 how, n = repair(self.engine, self.client, finding, epoch=leases[partition],
-                                maxlen=s.stream_maxlen_unsafe)
+                                maxlen=s.stream_maxlen_unsafe, signer=self.signer)
             except LeaseLostError:
                 self.stats.fenced += 1
                 log.warning("repair of %s stopped: a newer relay owns the stream", finding.key)
