@@ -62,8 +62,14 @@ def documented_acl() -> dict[str, str]:
     return dict(found)
 
 
+def rule_words(rules: str) -> list[str]:
+    """The ACL words of ``rules``; a selector ``(~k:* +cmd ...)`` is one word."""
+    return re.findall(r"\([^)]*\)|\S+", rules)
+
+
 def allowed_commands(rules: str) -> set[str]:
-    return {r[1:] for r in rules.split() if r.startswith("+") and not r.startswith("+@")}
+    words = " ".join(w.strip("()") for w in rule_words(rules)).split()
+    return {r[1:] for r in words if r.startswith("+") and not r.startswith("+@")}
 
 
 def free_port() -> int:
@@ -116,7 +122,8 @@ class PrivateRedis:
         for role, rules in documented_acl().items():
             rules = rules.replace("~outbox:*", f"~{prefix}:*")
             rules = re.sub(r">\S+", f">{role}-{SECRET}", rules)
-            admin.execute_command("ACL", "SETUSER", f"outbox-{role}", "reset", *rules.split())
+            admin.execute_command("ACL", "SETUSER", f"outbox-{role}", "reset",
+                                  *rule_words(rules))
             roles[role] = allowed_commands(rules)
         admin.execute_command("ACL", "SETUSER", "outbox-demo", "reset", "on",
                               f">demo-{SECRET}", "~*", "&*", "+@all")
@@ -365,16 +372,26 @@ def test_acl_users_are_confined(private_redis: PrivateRedis) -> None:
     private_redis.load_roles(prefix)
     relay = connect_redis(private_redis.url("relay"))
     consumer = connect_redis(private_redis.url("consumer"))
+    operator = connect_redis(private_redis.url("operator"))
     for attempt in (
         lambda: relay.hset(f"{prefix}:x", "k", 1),  # a command outside its list
         lambda: relay.xadd("elsewhere:{s:0}", {"a": "b"}),  # a key outside the prefix
         lambda: consumer.xdel(keys.stream_key(prefix, "s", 0), "1-1"),
+        # a consumer cannot append to or trim a partition stream (only its :dead letters)
+        lambda: consumer.xadd(keys.stream_key(prefix, "s", 0), {"id": "forged"}),
+        lambda: consumer.xtrim(keys.stream_key(prefix, "s", 0), minid="9-0"),
+        lambda: operator.xdel(keys.stream_key(prefix, "s", 0), "1-1"),
         lambda: consumer.flushall(),
         lambda: relay.publish("chan", "x"),
     ):
         with pytest.raises(UnavailableError) as caught, translate_redis_errors():
             attempt()
         assert "ACL" in caught.value.message
+    dead = keys.dead_letter_key(prefix, "s", 0)  # what the selectors do allow
+    with translate_redis_errors():
+        letter = consumer.xadd(dead, {"dlq.reason": "test"})
+        assert consumer.xtrim(dead, minid="0-1") == 0
+        assert operator.xdel(dead, letter) == 1
     wrong = connect_redis(private_redis.url("relay", pw="not-it"))
     with pytest.raises(CannotConnectError) as caught, translate_redis_errors():
         wrong.ping()
