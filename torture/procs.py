@@ -23,6 +23,8 @@ import redis
 FAULT_LINE = re.compile(rb"outbox-fault: ([a-z_.]+) pid=")
 REPAIR_LINE = re.compile(rb"repair: (refill|rebuild) \S+ \(\w+\): (\d+) entries")
 RESURRECTED_LINE = re.compile(rb"(\d+) entries below their streams' trim floor were delivered")
+# consumer/ordering.py's WARNING for a failed handler call: "handler for T failed on ID: Error; …"
+HANDLER_FAILED_LINE = re.compile(rb"handler for \S+ failed on \S+: (\w+); ")
 
 
 def free_port() -> int:
@@ -114,6 +116,13 @@ class Child:
         """Trimmed entries Redis brought back that this role's consumers acknowledged without
         applying (``resurrected``, from every incarnation's log)."""
         return self._logged_total(RESURRECTED_LINE, 1)
+
+    def handler_failures(self, error: str) -> int:
+        """Handler calls this role's consumers logged as failed with the exception ``error``
+        (its class name), from every incarnation's log."""
+        return sum(1 for log in self.logs if log.exists()
+                   for m in HANDLER_FAILED_LINE.finditer(log.read_bytes())
+                   if m.group(1) == error.encode())
 
     def _logged_total(self, line: re.Pattern[bytes], group: int) -> int:
         return sum(int(m.group(group)) for log in self.logs if log.exists()
