@@ -17,7 +17,8 @@ the public API.
 
 from __future__ import annotations
 
-from outbox_relay.consumer.handlers import Handler, Handlers
+from outbox_relay.consumer.handlers import BatchHandler, Handler, Handlers
+from outbox_relay.consumer.retry import PermanentError, Reject, Retry
 from outbox_relay.producer.enqueue import Producer
 from outbox_relay.shared.db import make_async_engine, make_engine, upgrade
 from outbox_relay.shared.envelope import Event
@@ -38,6 +39,7 @@ from outbox_relay.shared.errors import (
 from outbox_relay.shared.settings import CommonSettings, ConsumerSettings, RelaySettings
 
 __all__ = [
+    "BatchHandler",
     "CannotConnectError",
     "CommonSettings",
     "ConfigError",
@@ -52,8 +54,11 @@ __all__ = [
     "LeaseLostError",
     "NotFoundError",
     "OutboxError",
+    "PermanentError",
     "Producer",
+    "Reject",
     "RelaySettings",
+    "Retry",
     "SchemaNotReadyError",
     "SchemaTooNewError",
     "UnavailableError",

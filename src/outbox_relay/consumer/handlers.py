@@ -9,6 +9,15 @@ raises, only its writes roll back, the entry stays pending and is retried with b
 savepoint; when one raises, the batch is redone with a savepoint per handler, so a handler may
 run twice in one claim: see :func:`consumer.inbox.claim`.
 
+A *batch handler* (:meth:`Handlers.on_batch`) receives all of a claim's events of its type
+at once, in stream order (so in revision order per aggregate), and can write them with one
+statement; the inbox still records each event. It runs only where its events were decided
+``applied`` one by one (duplicates, waiting and out-of-order events are not passed), before any
+other handler of the same claim touches one of those aggregates, so an aggregate's writes keep
+their revision order. If it raises, the claim falls back to calling it once per event
+(``handler(conn, [event])``) with a savepoint each, so the failing event is isolated and
+retried alone.
+
 Work that must not run inside the transaction (a long run stage, a network call) is scheduled
 with :meth:`Handlers.after_commit`: the daemon runs it only after the claim transaction
 committed *and* the entry was acknowledged, and only if that handler's event was applied; on a
@@ -27,7 +36,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator, Mapping
-from typing import Literal, Protocol
+from typing import Literal, Protocol, cast
 
 from prometheus_client.registry import Collector
 from sqlalchemy import Connection
@@ -48,6 +57,22 @@ class Handler(Protocol):
     def __call__(self, conn: Connection, event: Event, /) -> None: ...
 
 
+class BatchHandler(Protocol):
+    """``handler(conn, events) -> None``: every event of the claim for its type, in order;
+    raise to have them retried one by one (see the module docstring)."""
+
+    def __call__(self, conn: Connection, events: list[Event], /) -> None: ...
+
+
+def _one_at_a_time(handler: BatchHandler) -> Handler:
+    """A batch handler as a per-event handler: the fallback path and single deliveries."""
+
+    def each(conn: Connection, event: Event, /) -> None:
+        handler(conn, [event])
+
+    return each
+
+
 class Handlers:
     """The registry one consumer group dispatches on (exact ``type`` match, or ``"*"``)."""
 
@@ -55,6 +80,7 @@ class Handlers:
         self._by_type: dict[str, Handler] = {}
         self._ordering: dict[str, Ordering] = {}
         self._retry: dict[str, Retry] = {}
+        self._batch: dict[str, BatchHandler] = {}  # types registered with register_batch
         self._after_commit: list[tuple[str, Callable[[], None]]] = []
         self._pause: Callable[[], bool] | None = None
         # Counters the app's own components keep (dataclasses such as the run worker's),
@@ -84,6 +110,27 @@ class Handlers:
         if retry is not None:
             self._retry[event_type] = retry
 
+    def register_batch(
+        self, event_type: str, handler: BatchHandler, *, ordering: Ordering = "strict",
+        retry: Retry | None = None,
+    ) -> None:
+        """Route events of ``event_type`` to ``handler`` a claim's batch at a time (see the
+        module docstring); ``ordering`` and ``retry`` as in :meth:`register`, and they apply to
+        each event (a failing event is retried alone, the others apply)."""
+        self.register(event_type, _one_at_a_time(handler), ordering=ordering, retry=retry)
+        self._batch[event_type] = handler
+
+    def on_batch(
+        self, event_type: str, *, ordering: Ordering = "strict", retry: Retry | None = None
+    ) -> Callable[[BatchHandler], BatchHandler]:
+        """Decorator form of :meth:`register_batch`."""
+
+        def decorate(handler: BatchHandler) -> BatchHandler:
+            self.register_batch(event_type, handler, ordering=ordering, retry=retry)
+            return handler
+
+        return decorate
+
     def on(
         self, event_type: str, *, ordering: Ordering = "strict", retry: Retry | None = None
     ) -> Callable[[Handler], Handler]:
@@ -99,10 +146,19 @@ class Handlers:
         """Replace every registered handler by ``wrap(event_type, handler)`` (metrics: the
         daemon times each call); dispatch and orderings stay as they are."""
         self._by_type = {t: wrap(t, h) for t, h in self._by_type.items()}
+        # A batch call is timed as one call (the wrapper passes its arguments through).
+        self._batch = {t: cast(BatchHandler, wrap(t, cast(Handler, h)))
+                       for t, h in self._batch.items()}
 
     def get(self, event_type: str) -> Handler | None:
         """The handler for a type, falling back to ``"*"``; None if the group has none."""
         return self._by_type.get(event_type) or self._by_type.get("*")
+
+    def batch(self, event_type: str) -> BatchHandler | None:
+        """The batch handler :meth:`get` stands for, when it was registered as one."""
+        if event_type in self._by_type:
+            return self._batch.get(event_type)
+        return self._batch.get("*")
 
     def ordering(self, event_type: str) -> Ordering:
         """The ordering of the handler :meth:`get` returns; ``strict`` when there is none."""

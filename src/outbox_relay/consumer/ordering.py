@@ -32,7 +32,7 @@ from typing import Any
 from sqlalchemy import Connection, exc
 from sqlalchemy import exc as sa_exc
 
-from outbox_relay.consumer.handlers import Handler, Handlers
+from outbox_relay.consumer.handlers import BatchHandler, Handler, Handlers
 from outbox_relay.consumer.retry import PermanentError, Retry, judge
 from outbox_relay.shared import tracing
 from outbox_relay.shared.db import is_postgres
@@ -125,11 +125,48 @@ def aggregate_key(event: Event) -> AggregateKey | None:
 
 
 class _HandlerFailed(Exception):
-    """A handler on the optimistic path raised: redo the batch with a savepoint per handler."""
+    """A handler on the optimistic path raised: redo the batch with a savepoint per handler.
+    ``delivery`` is None when a batch handler raised (which of its events failed is found by
+    the redo, which calls it once per event)."""
 
-    def __init__(self, delivery: Delivery, err: Exception) -> None:
+    def __init__(self, delivery: Delivery | None, err: Exception) -> None:
         super().__init__(type(err).__name__)
         self.delivery, self.err = delivery, err
+
+
+@dataclass
+class _Deferred:
+    """The optimistic path's batch-handler calls not made yet: each batch handler's
+    deliveries, in order, and which handler holds each aggregate's deferred events.
+
+    Calls are made (:meth:`flush`) at the end of the batch, and earlier whenever another
+    handler is about to write for an aggregate that has deferred events, so an aggregate's
+    writes keep their revision order across handlers."""
+
+    calls: dict[int, tuple[BatchHandler, list[Delivery]]] = field(default_factory=dict)
+    owners: dict[AggregateKey, int] = field(default_factory=dict)
+
+    def add(self, conn: Connection, fn: BatchHandler, d: Delivery,
+            key: AggregateKey | None) -> None:
+        if key is not None and self.owners.get(key, id(fn)) != id(fn):
+            self.flush(conn)
+        self.calls.setdefault(id(fn), (fn, []))[1].append(d)
+        if key is not None:
+            self.owners[key] = id(fn)
+
+    def before(self, conn: Connection, key: AggregateKey | None) -> None:
+        """Another handler is about to run for ``key``: make the deferred calls first."""
+        if key is not None and key in self.owners:
+            self.flush(conn)
+
+    def flush(self, conn: Connection) -> None:
+        calls, self.calls, self.owners = self.calls, {}, {}
+        for fn, deliveries in calls.values():
+            try:
+                fn(conn, [d.event for d in deliveries])
+            except Exception as err:
+                _raise_if_claim_lost(conn, err)
+                raise _HandlerFailed(None, err) from err
 
 
 @dataclass
@@ -160,10 +197,13 @@ def decide_batch(
     default = retry
     if len(batch) > 1:
         trial = ledger.copy()
+        deferred = _Deferred()
         try:
             with conn.begin_nested():
-                return [_decide(conn, d, trial, handlers, False, group, default)
-                        for d in batch], trial
+                outcomes = [_decide(conn, d, trial, handlers, False, group, default,
+                                    deferred=deferred) for d in batch]
+                deferred.flush(conn)
+                return outcomes, trial
         except _HandlerFailed as caught:
             failure = caught
         # Redone outside the ``except`` block: another handler failing in the redo must not
@@ -186,9 +226,11 @@ def _decide(
     group: str,
     default: Retry | None,
     failed: Exception | None = None,
+    deferred: _Deferred | None = None,
 ) -> Outcome:
     """One delivery (see the module docstring); ``failed``: its handler already raised in
-    this claim (the redo after the optimistic path), so it is not run again."""
+    this claim (the redo after the optimistic path), so it is not run again; ``deferred``
+    (the optimistic path): where a batch handler's call is put off to."""
     event = d.event
     key = aggregate_key(event)
     if event.id in ledger.seen:
@@ -223,7 +265,7 @@ def _decide(
     if handler is None:
         ledger.seen[event.id] = Receipt(None, d.fingerprint)
         return Outcome(d, DEAD, "unknown_type")
-    err = failed if failed is not None else _run(conn, d, handler, savepoints, group)
+    err = _call(conn, d, handler, handlers, savepoints, group, failed, deferred, key)
     if err is not None:
         return _failed(d, err, ledger, handlers.retry_for(event.type) or default, strict,
                        key, group)
@@ -231,6 +273,23 @@ def _decide(
     if key is not None and event.revision is not None:
         ledger.heads[key] = max(event.revision, head if head is not None else event.revision)
     return Outcome(d, APPLIED)
+
+
+def _call(conn: Connection, d: Delivery, handler: Handler, handlers: Handlers,
+          savepoints: bool, group: str, failed: Exception | None, deferred: _Deferred | None,
+          key: AggregateKey | None) -> Exception | None:
+    """Run ``d``'s handler now (:func:`_run`), or put a batch handler's call off to the end
+    of the optimistic path (``deferred``: the event is decided applied; if the call raises,
+    the whole batch is redone one event at a time). The handler's failure, or None."""
+    if failed is not None:
+        return failed
+    if deferred is not None:
+        batch_handler = handlers.batch(d.event.type)
+        if batch_handler is not None:
+            deferred.add(conn, batch_handler, d, key)
+            return None
+        deferred.before(conn, key)
+    return _run(conn, d, handler, savepoints, group)
 
 
 def _failed(d: Delivery, err: Exception, ledger: Ledger, policy: Retry | None, strict: bool,
