@@ -7,14 +7,15 @@ ones are ``superseded``; nothing is ever skipped silently. Most tests go through
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, ClassVar
 
 import pytest
 import redis
 from sqlalchemy import Connection, Engine, exc, select, text
+from sqlalchemy.ext.asyncio import AsyncConnection
 
-from outbox_relay.consumer import Handlers, dead_letters, inbox, streams
+from outbox_relay.consumer import Handlers, async_handlers, dead_letters, inbox, streams
 from outbox_relay.consumer.daemon import Consumer
 from outbox_relay.shared import keys
 from outbox_relay.shared.envelope import Event
@@ -41,18 +42,32 @@ pytestmark = pytest.mark.integration
 Fails = Callable[[Event, int], bool]
 
 
+@pytest.fixture(autouse=True, params=["sync", "async"])
+def handler_style(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Every test here runs with sync handlers and with async ones (the same claim code on an
+    async engine: consumer/async_handlers.py)."""
+    App.style = request.param
+    yield request.param
+    App.style = "sync"
+    async_handlers.close()
+
+
 class App:
     """``thing.happened`` (strict), ``other.thing`` (strict) and ``news.changed`` (latest)
-    handlers that record an effect row per application; ``fails(event, call)`` raises."""
+    handlers that record an effect row per application; ``fails(event, call)`` raises.
+    ``style`` (set by the ``handler_style`` fixture): ``def`` or ``async def`` handlers."""
+
+    style: ClassVar[str] = "sync"
 
     def __init__(self, fails: Fails = lambda _e, _n: False,
                  sql: Callable[[Event], str | None] = lambda _e: None) -> None:
         self.calls: Counter[str] = Counter()
         self.fails, self.sql = fails, sql
         self.handlers = Handlers()
-        self.handlers.register("thing.happened", self.handle)
-        self.handlers.register("other.thing", self.handle)
-        self.handlers.register("news.changed", self.handle, ordering="latest")
+        handle = self.handle_async if self.style == "async" else self.handle
+        self.handlers.register("thing.happened", handle)
+        self.handlers.register("other.thing", handle)
+        self.handlers.register("news.changed", handle, ordering="latest")
 
     def handle(self, conn: Connection, ev: Event) -> None:
         self.calls[ev.id] += 1
@@ -60,6 +75,15 @@ class App:
         statement = self.sql(ev)
         if statement is not None:
             conn.execute(text(statement))
+        if self.fails(ev, self.calls[ev.id]):
+            raise RuntimeError("the handler failed on purpose")
+
+    async def handle_async(self, conn: AsyncConnection, ev: Event) -> None:
+        self.calls[ev.id] += 1
+        await conn.execute(effects.insert().values(event_id=ev.id, note="applied"))
+        statement = self.sql(ev)
+        if statement is not None:
+            await conn.execute(text(statement))
         if self.fails(ev, self.calls[ev.id]):
             raise RuntimeError("the handler failed on purpose")
 
@@ -350,9 +374,20 @@ def test_a_bad_statement_fails_only_its_own_event(
 
 def claim_with(engine: Engine, handler: Callable[[Connection, Event], None],
                events: list[Event], **kwargs: Any) -> list[inbox.Outcome]:
+    """Claim ``events`` with ``handler``; with async handlers (``App.style``) the handler
+    runs from an ``async def`` through its ``AsyncConnection`` (``run_sync``)."""
     handlers = Handlers()
-    handlers.register("thing.happened", handler)
-    handlers.register("news.changed", handler, ordering="latest")
+    if App.style == "async":
+        sync_handler = handler
+
+        async def handler_async(conn: AsyncConnection, ev: Event) -> None:
+            await conn.run_sync(sync_handler, ev)
+
+        handlers.register("thing.happened", handler_async)
+        handlers.register("news.changed", handler_async, ordering="latest")
+    else:
+        handlers.register("thing.happened", handler)
+        handlers.register("news.changed", handler, ordering="latest")
     batch = [inbox.Delivery("k", f"1-{i}", ev, 1) for i, ev in enumerate(events)]
     return inbox.claim(engine, "g", batch, handlers, **kwargs)
 

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING
 import redis
 from sqlalchemy import Connection, Engine
 
-from outbox_relay.consumer import inbox, letters, lost, streams, validate
+from outbox_relay.consumer import async_handlers, inbox, letters, lost, streams, validate
 from outbox_relay.consumer import ownership as ownership_
 from outbox_relay.consumer.handlers import Handlers
 from outbox_relay.consumer.hygiene import HygieneStats
@@ -171,6 +171,7 @@ class Consumer:
             shutdown_periodic(self.periodic)
             self._release_leases()  # first: other consumers take the partitions at once
             self.handlers.stop()  # the app's stop hooks (the run worker's), after the last batch
+            async_handlers.close()  # this thread's async engine, when handlers are async
         log.info("consumer %s stopped: %s", self.name, self.stats,
                  extra={"consumer": self.name, "group": self.settings.group})
         return self.stats

@@ -36,11 +36,17 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator, Mapping
-from typing import Literal, Protocol, cast
+from typing import Literal, Protocol, TypeVar, cast
 
 from prometheus_client.registry import Collector
 from sqlalchemy import Connection
 
+from outbox_relay.consumer.async_handlers import (
+    AsyncBatchHandler,
+    AsyncHandler,
+    awaited,
+    is_async,
+)
 from outbox_relay.consumer.retry import Retry
 from outbox_relay.shared.envelope import Event
 from outbox_relay.shared.metrics import Naming
@@ -73,6 +79,10 @@ def _one_at_a_time(handler: BatchHandler) -> Handler:
     return each
 
 
+H = TypeVar("H", bound="Handler | AsyncHandler")
+B = TypeVar("B", bound="BatchHandler | AsyncBatchHandler")
+
+
 class Handlers:
     """The registry one consumer group dispatches on (exact ``type`` match, or ``"*"``)."""
 
@@ -81,6 +91,7 @@ class Handlers:
         self._ordering: dict[str, Ordering] = {}
         self._retry: dict[str, Retry] = {}
         self._batch: dict[str, BatchHandler] = {}  # types registered with register_batch
+        self.has_async = False  # an async handler is registered: claims run on an async engine
         self._after_commit: list[tuple[str, Callable[[], None]]] = []
         self._pause: Callable[[], bool] | None = None
         # Counters the app's own components keep (dataclasses such as the run worker's),
@@ -93,12 +104,20 @@ class Handlers:
         self._on_stop: list[Callable[[], None]] = []
 
     def register(
-        self, event_type: str, handler: Handler, *, ordering: Ordering = "strict",
-        retry: Retry | None = None,
+        self, event_type: str, handler: Handler | AsyncHandler, *,
+        ordering: Ordering = "strict", retry: Retry | None = None,
     ) -> None:
         """Route events of ``event_type`` (or every type, with ``"*"``) to ``handler``,
         applied in ``ordering`` (see the module docstring), retried by ``retry`` when it
-        raises (None: the group's default, ``OUTBOX_RETRY_*``)."""
+        raises (None: the group's default, ``OUTBOX_RETRY_*``). An ``async def`` handler gets
+        an ``AsyncConnection`` on the claim transaction (consumer/async_handlers.py)."""
+        if is_async(handler):
+            handler = cast(Handler, awaited(cast(AsyncHandler, handler)))
+            self.has_async = True
+        self._add(event_type, cast(Handler, handler), ordering, retry)
+
+    def _add(self, event_type: str, handler: Handler, ordering: Ordering,
+             retry: Retry | None) -> None:
         if event_type in self._by_type:
             raise ValueError(f"a handler for {event_type!r} is already registered")
         if ordering not in ORDERINGS:
@@ -111,21 +130,25 @@ class Handlers:
             self._retry[event_type] = retry
 
     def register_batch(
-        self, event_type: str, handler: BatchHandler, *, ordering: Ordering = "strict",
-        retry: Retry | None = None,
+        self, event_type: str, handler: BatchHandler | AsyncBatchHandler, *,
+        ordering: Ordering = "strict", retry: Retry | None = None,
     ) -> None:
         """Route events of ``event_type`` to ``handler`` a claim's batch at a time (see the
         module docstring); ``ordering`` and ``retry`` as in :meth:`register`, and they apply to
-        each event (a failing event is retried alone, the others apply)."""
-        self.register(event_type, _one_at_a_time(handler), ordering=ordering, retry=retry)
-        self._batch[event_type] = handler
+        each event (a failing event is retried alone, the others apply). ``async def`` too."""
+        if is_async(handler):
+            handler = cast(BatchHandler, awaited(cast(AsyncBatchHandler, handler)))
+            self.has_async = True
+        batch = cast(BatchHandler, handler)
+        self._add(event_type, _one_at_a_time(batch), ordering, retry)
+        self._batch[event_type] = batch
 
     def on_batch(
         self, event_type: str, *, ordering: Ordering = "strict", retry: Retry | None = None
-    ) -> Callable[[BatchHandler], BatchHandler]:
-        """Decorator form of :meth:`register_batch`."""
+    ) -> Callable[[B], B]:
+        """Decorator form of :meth:`register_batch` (sync or async batch handlers)."""
 
-        def decorate(handler: BatchHandler) -> BatchHandler:
+        def decorate(handler: B) -> B:
             self.register_batch(event_type, handler, ordering=ordering, retry=retry)
             return handler
 
@@ -133,10 +156,10 @@ class Handlers:
 
     def on(
         self, event_type: str, *, ordering: Ordering = "strict", retry: Retry | None = None
-    ) -> Callable[[Handler], Handler]:
-        """Decorator form of :meth:`register`."""
+    ) -> Callable[[H], H]:
+        """Decorator form of :meth:`register` (sync or async handlers)."""
 
-        def decorate(handler: Handler) -> Handler:
+        def decorate(handler: H) -> H:
             self.register(event_type, handler, ordering=ordering, retry=retry)
             return handler
 

@@ -44,6 +44,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Dialect
 from sqlalchemy.sql import Select
 
+from outbox_relay.consumer import async_handlers
 from outbox_relay.consumer.handlers import Handlers
 from outbox_relay.consumer.ordering import (
     APPLIED,
@@ -73,7 +74,7 @@ __all__ = [
     "APPLIED", "CONFLICTING_DUPLICATE", "DEAD", "DUPLICATE", "FAILED", "OUT_OF_ORDER",
     "REJECTED", "RESURRECTED", "RETRY_HORIZON", "SUPERSEDED", "WAITING",
     "AggregateKey", "Delivery", "Outcome", "PermanentError", "Retry", "aggregate_key", "claim",
-    "next_attempt_ms",
+    "next_attempt_ms", "retrying",
 ]
 
 
@@ -122,19 +123,33 @@ def claim(
     """
     if not batch:
         return []
-    with translate_errors(), engine.begin() as conn:
-        if check is not None:
-            check(conn)
-        if is_postgres(conn):
-            conn.execute(_lock_query(), {"b_keys": sorted({_lock_key(group, d) for d in batch})})
-        seen, heads, below, retries = _lookup(conn, group, batch)
-        ledger = Ledger(seen, heads, set(blocked or ()), below, retries,
-                        now_ms() if now is None else now)
-        outcomes, ledger = decide_batch(conn, batch, ledger, handlers, group, retry)
-        _write(conn, group, outcomes, ledger)
+    args = (group, batch, handlers, set(blocked or ()), check, retry, now)
+    with translate_errors():
+        if handlers.has_async:  # the same claim, on an async engine (consumer/async_handlers)
+            outcomes, ledger = async_handlers.run_in_transaction(engine, _claim_in, *args)
+        else:
+            with engine.begin() as conn:
+                outcomes, ledger = _claim_in(conn, *args)
     if blocked is not None:
         blocked |= ledger.blocked
     return outcomes
+
+
+def _claim_in(
+    conn: Connection, group: str, batch: list[Delivery], handlers: Handlers,
+    blocked: set[AggregateKey], check: Callable[[Connection], None] | None,
+    retry: Retry | None, now: int | None,
+) -> tuple[list[Outcome], Ledger]:
+    """The body of :func:`claim`, in the transaction of ``conn``."""
+    if check is not None:
+        check(conn)
+    if is_postgres(conn):
+        conn.execute(_lock_query(), {"b_keys": sorted({_lock_key(group, d) for d in batch})})
+    seen, heads, below, retries = _lookup(conn, group, batch)
+    ledger = Ledger(seen, heads, blocked, below, retries, now_ms() if now is None else now)
+    outcomes, ledger = decide_batch(conn, batch, ledger, handlers, group, retry)
+    _write(conn, group, outcomes, ledger)
+    return outcomes, ledger
 
 
 def next_attempt_ms(outcomes: Iterable[Outcome]) -> int | None:
@@ -499,3 +514,28 @@ def _heads_query() -> Any:
         set_={"revision": ins.excluded.revision, "updated_at_ms": ins.excluded.updated_at_ms},
         where=inbox_heads.c.revision < ins.excluded.revision,
     )
+
+
+def retrying(
+    engine: Engine, group: str | None = None, stream_keys: Iterable[str] | None = None
+) -> list[dict[str, Any]]:
+    """The entries waiting for a retry (``outbox_consumer_retries``), by group, stream key and
+    last error: ``count``, ``oldest_first_failed_ms`` (the earliest first failure),
+    ``next_attempt_ms`` (the soonest), ``max_attempts``. Only ``group``'s and only those of
+    ``stream_keys`` when given. For ``outbox status`` and the consumer's retry gauges."""
+    r = consumer_retries.c
+    query = (select(r.group_name, r.stream_key, r.last_error, func.count(),
+                    func.min(r.first_failed_at_ms), func.min(r.next_attempt_at_ms),
+                    func.max(r.attempts))
+             .group_by(r.group_name, r.stream_key, r.last_error)
+             .order_by(r.group_name, r.stream_key, r.last_error))
+    if group is not None:
+        query = query.where(r.group_name == group)
+    if stream_keys is not None:
+        query = query.where(r.stream_key.in_(sorted(set(stream_keys))))
+    with translate_errors(), engine.connect() as conn:
+        rows = conn.execute(query).all()
+    return [{"group": g, "stream_key": key, "last_error": error, "count": int(n),
+             "oldest_first_failed_ms": int(first), "next_attempt_ms": int(nxt),
+             "max_attempts": int(attempts)}
+            for g, key, error, n, first, nxt, attempts in rows]
