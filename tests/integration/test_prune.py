@@ -370,7 +370,7 @@ def test_cli_prune_dry_run_json(
     report = json.loads(proc.stdout)
     assert report["dry_run"] is True
     assert report["pruned"] == {"outbox_events": 3, "outbox_inbox": 1,
-                                "outbox_inbox_heads": 1, "outbox_runs": None}
+                                "outbox_inbox_heads": 1, "outbox_runs": 1}
     assert _sizes(engine) == before
 
     # No database file is ever created, and the problem is one clean line.

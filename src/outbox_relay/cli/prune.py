@@ -181,8 +181,9 @@ def _runs_retention(engine: Engine, settings: RetentionSettings) -> float:
     if settings.retention_runs <= 0:
         return 0.0
     if not runs_schema.in_use(engine):
-        log.warning("retention_runs is set but the runs tables were never set up here "
-                    "(outbox db upgrade --runs); ignored")
+        if "retention_runs" in settings.model_fields_set:  # the default (30 d) is no request
+            log.warning("retention_runs is set but the runs tables were never set up here "
+                        "(outbox db upgrade --runs); ignored")
         return 0.0
     return settings.retention_runs
 

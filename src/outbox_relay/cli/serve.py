@@ -1,6 +1,7 @@
 """``outbox serve``: the HTTP API of the run store (FastAPI on uvicorn).
 
-Startup order: read settings → open the database and check its schema → recover (one sweep:
+Startup order: read settings → check who may call (tokens: refused beyond loopback without
+them, before anything is opened) → open the database and check its schema → recover (one sweep:
 runs whose execution lease expired get their ``run.resume``) → listen. The schema check comes
 first so recovery never writes to a database this code does not understand; recovery comes
 before listening so that a run orphaned by a crash is already on its way again when clients can
@@ -15,6 +16,7 @@ import signal
 from types import FrameType
 
 from outbox_relay.cli.startup import until_available
+from outbox_relay.runs import auth
 from outbox_relay.runs import schema as runs_schema
 from outbox_relay.runs.settings import ServeSettings
 from outbox_relay.runs.store import store_for
@@ -35,6 +37,7 @@ def main(args: argparse.Namespace) -> int:
     try:  # here, not at import time: every other command would pay for it
         import uvicorn
 
+        from outbox_relay.runs import server
         from outbox_relay.runs.http import create_app
     except ImportError:
         raise ConfigError("outbox serve needs the http extra: "
@@ -42,6 +45,7 @@ def main(args: argparse.Namespace) -> int:
     from outbox_relay.cli import options
 
     settings = options.load_settings(ServeSettings, args)
+    tokens = auth.api_tokens(settings)
     engine = db.make_engine(settings.database_url)
     patience = settings.startup_timeout_s
     until_available(lambda: runs_schema.check_schema(engine), "schema check", patience)
@@ -52,12 +56,15 @@ def main(args: argparse.Namespace) -> int:
         "recovery sweep", patience,
     )
     log.info("recovered %d run(s), failed %d", recovered.resumed, recovered.failed)
-    app = create_app(engine, store, max_body_bytes=settings.max_body_bytes)
-    log.info("serving runs of %s on http://%s:%d", redact_url(settings.database_url),
-             settings.host, settings.port)
-    config = uvicorn.Config(app, host=settings.host, port=settings.port,
-                            log_level=settings.log_level.lower(), access_log=False,
-                            log_config=None)
+    limit = auth.CreateLimit(settings.api_create_rate, settings.api_create_burst)
+    app = create_app(engine, store, max_body_bytes=settings.max_body_bytes, tokens=tokens,
+                     create_limit=limit)
+    scheme = "https" if settings.api_ssl_certfile else "http"
+    who = (f"{len(tokens)} API token(s)" if tokens is not None
+           else "no authentication (loopback, no tokens)")
+    log.info("serving runs of %s on %s://%s:%d with %s", redact_url(settings.database_url),
+             scheme, settings.host, settings.port, who)
+    config = server.config(app, settings)
     # uvicorn catches SIGTERM/SIGINT while serving (graceful shutdown), then restores the
     # previous handlers and re-raises the signal: with these no-op handlers, the re-raise ends
     # in a clean exit 0, like the other daemons.

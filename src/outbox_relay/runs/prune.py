@@ -1,6 +1,7 @@
-"""Retention of runs: delete terminal runs (``completed``, ``failed``) older than
-``retention_runs``, only when the user asked for it (the default is off: a run's record is
-the user's result).
+"""Retention of runs: delete terminal runs (``completed``, ``failed``) unchanged for
+``retention_runs`` (30 days by default; ``off`` keeps them: a run's record is the user's
+result, so fetch it within the window). Every consumer daemon of a database with the runs
+tables runs this rule, and ``outbox prune``.
 
 What is guaranteed:
 

@@ -8,7 +8,7 @@ uvicorn (half a second on every ``outbox`` command).
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, SecretStr
 
 from outbox_relay.shared.settings import CommonSettings, ConsumerSettings, DaemonSettings
 
@@ -43,4 +43,53 @@ class ServeSettings(DaemonSettings, RunSettings):
     port: int = Field(default=8080, ge=0, le=65535, description="TCP port to listen on.")
     max_body_bytes: int = Field(
         default=65_536, ge=256, description="Largest accepted request body; larger is 413."
+    )
+    api_tokens: SecretStr = Field(
+        default=SecretStr(""),
+        description="Bearer tokens of the API, as name:token entries (comma-separated; several "
+        "per name to rotate; tokens 16+ characters). Required unless host is loopback. Prefer "
+        "the environment or api_tokens_file to a flag (flags show in ps). See docs/security.md.",
+    )
+    api_tokens_file: str = Field(
+        default="", description="A file of name:token lines (# comments), read at start."
+    )
+    api_admins: str = Field(
+        default="", description="Comma-separated caller names that see and answer every run "
+        "(any other caller only the runs it created).",
+    )
+    api_auth: bool = Field(
+        default=False, description="Require a token on a loopback host too (tokens are always "
+        "required on any other address, and whenever some are configured).",
+    )
+    api_create_rate: float = Field(
+        default=5.0, ge=0, description="Runs one caller may create per second, on average "
+        "(token bucket; over it: 429 with Retry-After); 0 = no limit.",
+    )
+    api_create_burst: int = Field(
+        default=20, ge=1, description="Runs one caller may create at once, before "
+        "api_create_rate applies.",
+    )
+    api_read_timeout_s: float = Field(
+        default=10.0, gt=0, le=3600, description="A connection must send a whole request (head "
+        "and body) within this long of opening or of its first byte; else it is closed.",
+    )
+    api_keep_alive_s: int = Field(
+        default=5, ge=1, le=3600, description="An idle kept-alive connection is closed after "
+        "this many seconds.",
+    )
+    api_max_head_bytes: int = Field(
+        default=16_384, ge=1_024, le=1_048_576, description="Largest request line plus headers; "
+        "larger is refused (400) and the connection closed.",
+    )
+    api_limit_concurrency: int = Field(
+        default=100, ge=1, le=100_000, description="Open connections and requests at once; "
+        "requests beyond it get 503 at once.",
+    )
+    api_ssl_certfile: str = Field(
+        default="", description="TLS: the server's certificate chain (PEM); empty = plain HTTP."
+    )
+    api_ssl_keyfile: str = Field(default="", description="TLS: the server's private key (PEM).")
+    api_ssl_ca_certs: str = Field(
+        default="", description="TLS: CA bundle that client certificates must chain to; with "
+        "it, a client certificate is required (mutual TLS), besides the bearer token.",
     )

@@ -12,7 +12,9 @@ resume, fail); leasing a queued run and saving a checkpoint need the application
 The record holds, besides the public fields: ``request`` (the original input), ``checkpoint``
 (``{stage: output}`` of finished stages), ``questions`` (pending), ``answers``, ``receipts``
 (``{idempotency_key: {fingerprint, interaction_id}}``), ``asked_by``, ``resume_at`` (where an
-answered run goes on), ``stage``, ``result`` and ``error``. The execution lease lives in columns
+answered run goes on), ``stage``, ``result``, ``error`` and ``created_by`` (the API caller
+that created the run, which alone may read and answer it; absent when authentication was off
+or the run was created from code). The execution lease lives in columns
 (``lease_owner`` is a per-lease token) so that a heartbeat extends it without a new revision.
 All methods run in the caller's transaction.
 """
@@ -47,7 +49,8 @@ from outbox_relay.shared.settings import CommonSettings
 
 RUNS_STREAM = "runs"
 STORE_FIELDS = frozenset({"revision", "status", "stage", "checkpoint", "questions", "asked",
-                          "asked_by", "resume_at", "answers", "receipts", "result", "error"})
+                          "asked_by", "resume_at", "answers", "receipts", "result", "error",
+                          "created_by"})
 """Record fields only the store writes: a creator passing one is refused (``invalid_request``)."""
 AGGREGATE = "run"
 MAX_KEY_LENGTH = 128
@@ -66,6 +69,12 @@ class RunRow:
     attempts: int = 0
     created_at_ms: int = 0
     updated_at_ms: int = 0
+
+    @property
+    def created_by(self) -> str | None:
+        """The API caller that created the run (``None``: no authenticated caller)."""
+        value = self.record.get("created_by")
+        return value if isinstance(value, str) else None
 
 
 @dataclass(frozen=True)
@@ -99,15 +108,19 @@ class RunStore:
     stream: str = RUNS_STREAM
     pipeline: Pipeline | None = None
 
-    def create(self, conn: Connection, run_id: str, record: dict[str, Any]) -> RunRow:
+    def create(self, conn: Connection, run_id: str, record: dict[str, Any], *,
+               created_by: str | None = None) -> RunRow:
         """Insert revision 1, ``queued``, and its ``run.created`` event; ``conflict`` if the id
         exists. The fields the store keeps (:data:`STORE_FIELDS`: status, stage, questions,
-        ``resume_at`` …) are refused with ``invalid_request``: a run starts from the beginning."""
+        ``resume_at`` …) are refused with ``invalid_request``: a run starts from the beginning.
+        ``created_by`` records the API caller that creates it."""
         status = rs.QUEUED
         if reserved := sorted(STORE_FIELDS & set(record)):
             raise InvalidRequestError(f"a new run's record cannot set {', '.join(reserved)}")
         now = now_ms()
         stored = {**record, "revision": 1, "status": status}
+        if created_by is not None:
+            stored["created_by"] = created_by
         try:
             with conn.begin_nested():
                 conn.execute(

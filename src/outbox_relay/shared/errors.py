@@ -80,6 +80,12 @@ class CannotConnectError(OutboxError):
     code = "unavailable"
 
 
+class ReadOnlyError(CannotConnectError):
+    """The database opens but refuses writes (a read-only SQLite file, folder or mount)."""
+
+    code = "read_only"
+
+
 class StreamBehindError(UnavailableError):
     """A stream holds less than the outbox delivered to it (Redis lost data): repair it first."""
 
@@ -90,7 +96,9 @@ class InvalidEventError(OutboxError):
     """An event (from a producer or read from a stream) breaks the wire contract.
 
     ``code`` says which rule: ``missing_field``, ``bad_specversion``, ``bad_json``,
-    ``data_too_large``, ``bad_encoding``, ``bad_revision``, ``empty_entry``, ``bad_field``.
+    ``data_too_large``, ``bad_encoding``, ``bad_revision``, ``empty_entry``, ``bad_field``,
+    ``non_finite_number``; read by a consumer also ``bad_signature`` and ``oversized`` (an
+    entry larger than the read limit, refused unread: :mod:`consumer.streams`).
     """
 
     code = "invalid_event"
@@ -124,3 +132,19 @@ class InvalidRequestError(OutboxError):
     """A caller's input failed validation."""
 
     code = "invalid_request"
+
+
+class UnauthorizedError(OutboxError):
+    """A request without a valid credential (the runs API: a missing or unknown bearer token)."""
+
+    code = "unauthorized"
+
+
+class RateLimitedError(OutboxError):
+    """A caller exceeded its rate; ``retry_after_s`` says when trying again can succeed."""
+
+    code = "rate_limited"
+
+    def __init__(self, message: str | None = None, *, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s

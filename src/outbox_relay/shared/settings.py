@@ -99,7 +99,11 @@ class DaemonSettings(CommonSettings):
         0, ge=0, le=65535,
         description="Port serving /metrics (OpenMetrics), /healthz and /readyz (0 = off).",
     )
-    metrics_host: str = Field("0.0.0.0", description="Address the metrics port listens on.")
+    metrics_host: str = Field(
+        "127.0.0.1",
+        description="Address the metrics port listens on: loopback unless told (0.0.0.0 in a "
+        "Kubernetes pod, so the kubelet and Prometheus reach it).",
+    )
     signing_key: SecretStr = Field(
         SecretStr(""),
         description="HMAC-SHA256 keys (comma-separated, 16+ characters each; the first signs, "
@@ -128,7 +132,9 @@ class RetentionSettings(CommonSettings):
         description="Dead letters older than this are trimmed from the dead-letter streams.",
     )
     retention_runs: Duration = Field(
-        0.0, description="Terminal runs (completed/failed) older than this are pruned (off).",
+        30 * 86400.0,
+        description="Terminal runs (completed/failed) unchanged for this long are pruned "
+        "(where the runs tables exist); off keeps them.",
     )
     prune_interval_s: float = Field(
         60.0, gt=0, description="How often a daemon runs its retention pass."
@@ -207,6 +213,13 @@ class RelaySettings(DaemonSettings, RetentionSettings):
     )
     redis_timeout_s: float = Field(5.0, gt=0, description="Socket timeout of Redis calls.")
     node_id: str = Field("", description="Name of this relay in leases (default host:pid).")
+    refusal_first_delay_s: float = Field(
+        0.5, gt=0, description="A stream whose append Redis refused (OOM, ACL …) waits this "
+        "long before its next attempt; each further wait doubles (other streams go on).",
+    )
+    refusal_max_delay_s: float = Field(
+        30.0, gt=0, description="The longest wait between two attempts of a refused stream.",
+    )
 
     @model_validator(mode="before")
     @classmethod
