@@ -7,6 +7,10 @@ for the baseline also the wall time per phase of its loop (claim, XADD batch, ma
 measured in a second, unprofiled drain. This is how the hot spots named in
 ``bench/PERFORMANCE.md`` were found.
 
+``python -m bench.profile consumer --handler one-row --partitions 1 --warmup 1000 --events
+500`` profiles one claim of 500 events with a handler writing one row per event (``batch``:
+the batch handler; see :mod:`bench.consumer_loop`).
+
 ``python -m bench.profile relay --statements`` instead drains once without the profiler and
 prints the relay's database time per statement (SQLAlchemy cursor events, and the commits),
 next to the phases of the strong baseline on the same data: where the relay's time per batch
@@ -27,19 +31,13 @@ from typing import Any
 
 from sqlalchemy import event
 
-from bench import env
+from bench import consumer_loop, env
 from bench.baseline import PHASES, drain_baseline
 from outbox_relay.consumer import streams
 from outbox_relay.consumer.daemon import Consumer
-from outbox_relay.consumer.handlers import Handlers
 from outbox_relay.relay.daemon import Relay
-from outbox_relay.shared.envelope import Event
 from outbox_relay.shared.redis_conn import connect_redis
 from outbox_relay.shared.settings import ConsumerSettings, RelaySettings
-
-
-def _noop(_conn: object, _event: Event) -> None:
-    """No-op handler."""
 
 
 def _relay(target: env.Target, events: int, batch: int) -> Relay:
@@ -64,29 +62,36 @@ def profile_relay(
 
 
 def profile_consumer(
-    target: env.Target, events: int, batch: int
+    target: env.Target, events: int, batch: int, *, handler: str = "no-op",
+    partitions: int = 4, warmup: int = 0,
 ) -> cProfile.Profile:
-    target.reset(4)
-    env.fill_streams(target.redis, target.prefix, events, 4)
-    keys = streams.partition_keys(target.prefix, [env.STREAM], 4)
+    """Claim ``events`` entries under the profiler with the ``handler`` row of
+    :mod:`bench.consumer_loop` (no-op, one-row, batch), after ``warmup`` entries claimed
+    without it (statement compilation and caches out of the picture)."""
+    target.reset(partitions)
+    consumer_loop.create_effects(target)
+    env.fill_streams(target.redis, target.prefix, warmup + events, partitions)
+    keys = streams.partition_keys(target.prefix, [env.STREAM], partitions)
     streams.ensure_groups(target.redis, keys, "bench")
-    handlers = Handlers()
-    handlers.register("*", _noop)
     settings = ConsumerSettings.model_validate({
         "database_url": target.url, "redis_url": env.REDIS_URL, "key_prefix": target.prefix,
-        "partitions": 4, "streams": env.STREAM, "group": "bench", "consumer": "profile",
-        "batch_size": batch,
+        "partitions": partitions, "streams": env.STREAM, "group": "bench",
+        "consumer": "profile", "batch_size": batch,
     })
-    consumer = Consumer(settings, target.engine, connect_redis(env.REDIS_URL), handlers)
+    consumer = Consumer(settings, target.engine, connect_redis(env.REDIS_URL),
+                        consumer_loop.handlers_for(handler, env.EVENT_TYPE))
 
-    def drain() -> None:
-        while consumer.stats.applied < events:
+    def drain(until: int) -> None:
+        while consumer.stats.applied < until:
             consumer.run_once(block_ms=50)
 
+    drain(warmup)
     prof = cProfile.Profile()
     t0 = time.perf_counter()
-    prof.runcall(drain)
-    print(f"consumer: {events / (time.perf_counter() - t0):,.0f} claims/s under the profiler")
+    prof.runcall(drain, warmup + events)
+    elapsed = time.perf_counter() - t0
+    print(f"consumer ({handler} handler): {events / elapsed:,.0f} claims/s under the profiler, "
+          f"{elapsed * 1000 * batch / events:.1f} ms per claim of {batch}")
     return prof
 
 
@@ -177,6 +182,12 @@ def main() -> None:
     p.add_argument("--events", type=int, default=20_000)
     p.add_argument("--batch", type=int, default=500)
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--handler", default="no-op", choices=consumer_loop.VARIANTS[1:],
+                   help="consumer: the handler (bench/consumer_loop.py)")
+    p.add_argument("--partitions", type=int, default=4,
+                   help="consumer: partition streams (1: every claim is --batch entries)")
+    p.add_argument("--warmup", type=int, default=0,
+                   help="consumer: entries claimed before the profiler starts")
     p.add_argument("--statements", action="store_true",
                    help="relay: database time per statement instead of cProfile")
     args = p.parse_args()
@@ -186,9 +197,12 @@ def main() -> None:
         if args.statements:
             relay_statements(target, args.events, args.batch)
             return
-        run = {"relay": profile_relay, "consumer": profile_consumer,
-               "baseline": profile_baseline}[args.daemon]
-        prof = run(target, args.events, args.batch)
+        if args.daemon == "consumer":
+            prof = profile_consumer(target, args.events, args.batch, handler=args.handler,
+                                    partitions=args.partitions, warmup=args.warmup)
+        else:
+            run = {"relay": profile_relay, "baseline": profile_baseline}[args.daemon]
+            prof = run(target, args.events, args.batch)
     finally:
         target.close()
     for key in ("tottime", "cumulative"):

@@ -99,6 +99,14 @@ def add_ratios(r: dict[str, Any], kind: str) -> None:
     for s in r.get("consumer", {}).values():
         first = first or s["median"]
         s["ratio"] = s["median"] / first
+    rows = r.get("consumer_handlers", {}).get("rows", {})
+    loop = rows.get("loop")
+    if loop:
+        for s in rows.values():
+            s["ratio"] = s["median"] / loop["median"]
+            # Each run to the loop's run of the same round (the rows alternate per round).
+            s["paired_ratios"] = [round(a / b, 3) for a, b in zip(s["runs"], loop["runs"],
+                                                                  strict=False)]
     c = r.get("cluster", {})
     if "1 master" in c and "3 masters" in c:
         c["ratio"] = {side: c["3 masters"][side]["median"] / c["1 master"][side]["median"]
@@ -176,10 +184,16 @@ def merge_passes(passes: list[dict[str, Any]]) -> dict[str, Any]:
     for kind, r in merged.items():
         add_ratios(r, kind)
     for kind, r in merged.items():  # each ratio's value in every pass, for its spread
-        for name, s in r.get("relay", {}).items():
-            if "ratio" in s:
-                s["ratio_passes"] = [p[kind]["relay"][name]["ratio"] for p in passes]
+        _ratio_passes_of(r.get("relay", {}), [p[kind].get("relay", {}) for p in passes])
+        _ratio_passes_of(r.get("consumer_handlers", {}).get("rows", {}),
+                         [p[kind].get("consumer_handlers", {}).get("rows", {}) for p in passes])
     return merged
+
+
+def _ratio_passes_of(rows: dict[str, Any], per_pass: list[dict[str, Any]]) -> None:
+    for name, s in rows.items():
+        if "ratio" in s:
+            s["ratio_passes"] = [p[name]["ratio"] for p in per_pass if "ratio" in p.get(name, {})]
 
 
 def figures(databases: dict[str, Any]) -> Iterator[tuple[str, float]]:
@@ -189,12 +203,14 @@ def figures(databases: dict[str, Any]) -> Iterator[tuple[str, float]]:
     def walk(node: Any, path: list[str]) -> Iterator[tuple[str, float]]:
         if _is_summary(node):
             yield " / ".join(path), float(node["median"])
-            if isinstance(node.get("ratio"), float) and path[1] == "relay":
+            if isinstance(node.get("ratio"), float) and path[1] in ("relay",
+                                                                   "consumer_handlers"):
                 yield " / ".join([*path, "ratio"]), node["ratio"]
             return
         if isinstance(node, dict):
             for k, v in node.items():
-                if k in ("runs", "stage_histogram", "cpu", "redis_commands", "baseline_phases_ms"):
+                if k in ("runs", "stage_histogram", "cpu", "redis_commands", "baseline_phases_ms",
+                         "cpu_us_per_event", "paired_ratios"):
                     continue
                 if k == "ratio" and isinstance(v, dict) and path[-1:] == ["cluster"]:
                     for side, value in v.items():
@@ -271,6 +287,7 @@ def _database_lines(r: dict[str, Any]) -> list[str]:
     for name, s in r.get("consumer", {}).items():
         lines.append(f"  consumer {name:>10}: {fmt(s, ' claims/s')}  x{s['ratio']:.2f}"
                      f"{_cpu_text(s)}")
+    lines += _handler_lines(r.get("consumer_handlers", {}))
     lines += _cluster_lines(r.get("cluster", {}))
     for rate, lat in r.get("latency", {}).items():
         lines += _latency_lines(rate, lat)
@@ -282,6 +299,30 @@ def _database_lines(r: dict[str, Any]) -> list[str]:
         )
     for batch, s in r.get("ceiling", {}).items():
         lines.append(f"  redis ceiling batch {batch:>5}: {fmt(s, ' ev/s')}")
+    return lines
+
+
+HANDLER_NAMES = {"loop": "hand-written loop", "no-op": "ours, no-op handler",
+                 "one-row": "ours, one-row handler", "batch": "ours, batch handler"}
+
+
+def _handler_lines(h: dict[str, Any]) -> list[str]:
+    """The consumer handler rows: claims/s, ratio to the hand-written loop (each round's
+    paired ratio), CPU µs per event of the process and of its database backend."""
+    rows = h.get("rows")
+    if not rows:
+        return []
+    lines = [f"  consumer handlers (one consumer in the bench process, {h['partitions']} "
+             f"partition, batch {h['batch']}, {h['events']:,} entries, {h['rounds']} rounds "
+             "alternated):"]
+    for name, s in rows.items():
+        cpu = s.get("cpu_us_per_event", {})
+        db = f", db {cpu['db']:.1f}" if cpu.get("db") else ""
+        paired = " / ".join(f"{x:.2f}" for x in s.get("paired_ratios", []))
+        lines.append(f"    {HANDLER_NAMES.get(name, name):>22}: {fmt(s, ' claims/s')}  "
+                     f"x{s.get('ratio', math.nan):.2f} loop (runs {paired})"
+                     f"{_ratio_passes(s)}  [CPU µs/event: python {cpu.get('python', 0):.1f}"
+                     f"{db}]")
     return lines
 
 

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from bench import env, report, scenarios, topologies
+from bench import consumer_loop, env, report, scenarios, topologies
 from bench.baseline import PHASES, redis_ceiling
 from torture.redis_sets import TopologyError, TopologyUnsupported
 
@@ -57,14 +57,21 @@ class Config:
     cluster_relays: int = 2
     cluster_consumers: int = 2
     one_relay_row: bool = True  # the "1 relay x n partitions" row
+    # The consumer's handler rows (scenarios.consumer_handlers): one consumer in this process,
+    # one partition stream of this many entries, batch consumer_batch, the rows alternated
+    # this many rounds.
+    handler_events: int = 20_000
+    handler_rounds: int = 2
 
 
 FULL = Config(2, 50_000, (100, 500, 2000), (1, 2, 4), 20_000, (1, 2), 500,
               (100, 1000, 5000), 10.0, 1000, 600.0, 1000, passes=2)
-QUICK = Config(1, 3_000, (500,), (1, 2), 2_000, (1, 2), 500, (100, 1000), 2.0, 200, 6.0, 500)
+QUICK = Config(1, 3_000, (500,), (1, 2), 2_000, (1, 2), 500, (100, 1000), 2.0, 200, 6.0, 500,
+               handler_events=5_000)
 TINY = Config(1, 600, (100,), (2,), 400, (1,), 100, (200,), 1.0, 100, 2.0, 200,
-              cluster_relays=1, cluster_consumers=1, one_relay_row=False)
-# The tiny smoke run (a test with a 120 s limit) leaves the cluster rows out unless asked.
+              cluster_relays=1, cluster_consumers=1, one_relay_row=False,
+              handler_events=400, handler_rounds=1)
+# The tiny smoke run (a test with a 180 s limit) leaves the cluster rows out unless asked.
 TINY_SCENARIOS = tuple(s for s in SCENARIOS if s != "cluster")
 
 
@@ -81,6 +88,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--memory-seconds", type=float, help="length of the memory run")
     p.add_argument("--events", type=int, help="backlog size of the relay runs")
     p.add_argument("--consumer-events", type=int, help="stream backlog of the consumer runs")
+    p.add_argument("--handler-events", type=int,
+                   help="stream backlog of the consumer handler rows (one-row, batch, no-op "
+                   "handler and the hand-written loop)")
+    p.add_argument("--handler-rounds", type=int,
+                   help="rounds of the consumer handler rows per pass (order reversed each)")
     p.add_argument("--rate-seconds", type=float, help="length of each latency run")
     p.add_argument("--results", type=Path, default=ROOT / "bench" / "results.json")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "out")
@@ -103,6 +115,10 @@ def configure(args: argparse.Namespace) -> Config:
         changes["consumer_events"] = args.consumer_events
     if args.rate_seconds:
         changes["rate_seconds"] = args.rate_seconds
+    if args.handler_events:
+        changes["handler_events"] = args.handler_events
+    if args.handler_rounds:
+        changes["handler_rounds"] = args.handler_rounds
     return Config(**{**asdict(base), **changes})
 
 
@@ -150,6 +166,9 @@ def bench_database(
             out["consumer"][f"{procs} proc"] = repeat_runs(n, lambda p=procs: (
                 scenarios.consumer_throughput(target, cfg.consumer_events, p,
                                               cfg.consumer_batch, 4)))
+        say(f"consumer handlers: {', '.join(consumer_loop.VARIANTS)} x {cfg.handler_rounds} "
+            f"rounds of {cfg.handler_events} entries")
+        out["consumer_handlers"] = handler_rows(target, cfg)
     if "cluster" in only:
         out["cluster"] = cluster_rows(target, cfg, workdir, say)
     if "latency" in only:
@@ -170,6 +189,22 @@ def bench_database(
                 n, lambda b=b: redis_ceiling(target, cfg.relay_events, b))
     report.add_ratios(out, target.kind)
     return out
+
+
+def handler_rows(target: env.Target, cfg: Config) -> dict[str, Any]:
+    """One consumer with the no-op, one-row and batch handler, and the hand-written loop
+    (:mod:`bench.consumer_loop`), alternated: claims/s, CPU µs per event; the ratios to the
+    loop are added by :func:`report.add_ratios`."""
+    runs = scenarios.consumer_handlers(target, cfg.handler_events, cfg.consumer_batch,
+                                       cfg.handler_rounds)
+    out: dict[str, Any] = {}
+    for variant, done in runs.items():
+        s = report.summary([r.rate for r in done])
+        s["cpu_us_per_event"] = {k: statistics.median(r.cpu[k] / (r.rate * r.wall) * 1e6
+                                                      for r in done) for k in done[0].cpu}
+        out[variant] = s
+    return {"events": cfg.handler_events, "batch": cfg.consumer_batch,
+            "rounds": cfg.handler_rounds, "partitions": 1, "rows": out}
 
 
 def relay_rows(
@@ -281,6 +316,10 @@ def memory(target: env.Target, cfg: Config) -> dict[str, Any]:
             "seconds": cfg.memory_seconds, "processes": procs}
 
 
+HANDLER_TARGETS = {"one-row": 0.6, "batch": 0.85, "no-op": 0.8}
+"""Issue 23: each handler row's claims/s over the hand-written loop's, on PostgreSQL."""
+
+
 def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     """The issues' targets, each with the measured value and whether it is met."""
     out: list[dict[str, Any]] = []
@@ -296,6 +335,12 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
                 if name.startswith("1 proc"):
                     add(f"postgresql consumer {name} claims/s", s["median"], ">= 10000",
                         s["median"] >= 10_000)
+            rows = r.get("consumer_handlers", {}).get("rows", {})
+            for variant, goal in HANDLER_TARGETS.items():
+                ratio = rows.get(variant, {}).get("ratio")
+                if ratio is not None:
+                    add(f"postgresql consumer, {variant} handler / hand-written loop", ratio,
+                        f">= {goal}", ratio >= goal)
         lat = r.get("latency", {}).get("1000")
         if lat:
             goal = 20.0 if kind == "postgresql" else 100.0

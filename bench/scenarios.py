@@ -21,16 +21,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import BigInteger, Column, Integer, MetaData, String, Table, insert
+import redis
+from sqlalchemy import BigInteger, Column, Integer, MetaData, String, Table, insert, text
 
-from bench import workers
+from bench import consumer_loop, workers
 from bench.baseline import Phases, drain_baseline
 from bench.env import EVENT_TYPE, REDIS_URL, STREAM, Target, entry_fields, fill_streams, outbox_rows
 from bench.topologies import Topology
 from outbox_relay.consumer import streams
+from outbox_relay.consumer.daemon import Consumer
 from outbox_relay.producer import Producer
 from outbox_relay.relay import entry_ids
 from outbox_relay.shared import db, keys
+from outbox_relay.shared.redis_conn import connect_redis
+from outbox_relay.shared.schema import inbox, inbox_heads
+from outbox_relay.shared.settings import ConsumerSettings
 
 CTX = multiprocessing.get_context("spawn")
 UNDELIVERED = "SELECT count(*) FROM outbox_events WHERE delivered_at_ms IS NULL"
@@ -207,6 +212,113 @@ def consumer_throughput(
     assert sum(r["applied"] for r in results) == events
     wall = max(r["end"] for r in results) - t0
     return Run(events / wall, wall, _cpu(results, busy, used))
+
+
+def consumer_handlers(
+    target: Target, events: int, batch: int, rounds: int, partitions: int = 1
+) -> dict[str, list[Run]]:
+    """Claims/s of one consumer, in this process, with each handler of
+    :data:`consumer_loop.VARIANTS` and of the hand-written loop (:func:`consumer_loop.drain_loop`)
+    over the same ``events``-entry stream backlog, batch ``batch``; ``rounds`` rounds, the
+    order of the rows reversed every other round so drift of a busy machine hits all of them.
+
+    The backlog is written once; every run reads it from the start with a consumer group of
+    its own, on emptied inbox and effect tables. A run's time starts once its connections are
+    open (as the child processes' start signal does) and ends when its last claim committed and
+    was acknowledged; its CPU is this process's (``time.process_time``) and, on PostgreSQL,
+    its database backend's."""
+    target.reset(partitions)
+    consumer_loop.create_effects(target)
+    fill_streams(target.redis, target.prefix, events, partitions)
+    stream_keys = streams.partition_keys(target.prefix, [STREAM], partitions)
+    runs: dict[str, list[Run]] = {v: [] for v in consumer_loop.VARIANTS}
+    for number in range(rounds):
+        order = consumer_loop.VARIANTS if number % 2 == 0 else consumer_loop.VARIANTS[::-1]
+        for variant in order:
+            group = f"bench-{number}-{variant}"
+            _empty_claim_tables(target)
+            streams.ensure_groups(target.redis, stream_keys, group)
+            if variant == "loop":
+                run = _loop_run(target, stream_keys, group, batch, events)
+            else:
+                run = _handler_run(target, variant, group, batch, events, partitions)
+            claimed = target.count(f"SELECT count(*) FROM outbox_inbox WHERE group_name = "
+                                   f"'{group}'")
+            written = target.count("SELECT count(*) FROM bench_effects")
+            assert claimed == events, f"{variant}: {claimed} of {events} claimed"
+            assert written == (0 if variant == "no-op" else events), (variant, written)
+            target.redis.xgroup_destroy(stream_keys[0], group)
+            for key in stream_keys[1:]:
+                target.redis.xgroup_destroy(key, group)
+            runs[variant].append(run)
+    return runs
+
+
+def _empty_claim_tables(target: Target) -> None:
+    with target.engine.begin() as conn:
+        for table in (inbox, inbox_heads, consumer_loop.effects):
+            conn.execute(table.delete())
+    if target.kind == "postgresql":
+        with target.engine.connect() as conn:
+            conn = conn.execution_options(isolation_level="AUTOCOMMIT")
+            for name in ("outbox_inbox", "outbox_inbox_heads", "bench_effects"):
+                conn.execute(text(f"VACUUM ANALYZE {name}"))
+
+
+def _loop_run(
+    target: Target, stream_keys: list[str], group: str, batch: int, events: int
+) -> Run:
+    client = redis.Redis.from_url(REDIS_URL)
+    client.ping()
+    started: dict[str, float] = {}
+
+    def ready(backend: int | None) -> None:
+        if backend is not None:
+            started["backend"] = backend
+            started["db"] = workers.proc_cpu(backend)
+        started["cpu"] = time.process_time()
+        started["t0"] = time.perf_counter()
+
+    try:
+        done = consumer_loop.drain_loop(target, client, stream_keys, group, batch, events,
+                                        ready=ready)
+        wall = time.perf_counter() - started["t0"]
+        cpu = time.process_time() - started["cpu"]
+        backend = started.get("backend")
+        db_cpu = workers.proc_cpu(int(backend)) - started["db"] if backend else 0.0
+    finally:
+        client.close()
+    return Run(done / wall, wall, {"python": cpu, "db": db_cpu})
+
+
+def _handler_run(
+    target: Target, variant: str, group: str, batch: int, events: int, partitions: int
+) -> Run:
+    settings = ConsumerSettings.model_validate({
+        "database_url": target.url, "redis_url": REDIS_URL, "key_prefix": target.prefix,
+        "partitions": partitions, "streams": STREAM, "group": group,
+        "consumer": "bench-consumer", "batch_size": batch, "block_ms": 20,
+    })
+    engine = db.make_engine(target.url)
+    meter = workers.CpuMeter(engine)
+    consumer = Consumer(settings, engine, connect_redis(REDIS_URL),
+                        consumer_loop.handlers_for(variant, EVENT_TYPE))
+    try:
+        with engine.connect():
+            consumer.client.ping()
+        meter.start()
+        t0 = time.perf_counter()
+        deadline = time.monotonic() + 600
+        while consumer.stats.applied < events:
+            consumer.run_once(block_ms=20)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"consumer ({variant}) applied {consumer.stats.applied}")
+        wall = time.perf_counter() - t0
+        cpu = meter.stop()
+    finally:
+        consumer.client.close()
+        engine.dispose()
+    return Run(consumer.stats.applied / wall, wall, cpu)
 
 
 STAGES = ("commit → take", "take → XADD acked", "XADD acked → read", "read → claim committed")

@@ -64,15 +64,15 @@ class CpuMeter:
 
     def start(self) -> None:
         self._own = time.process_time()
-        self._seen = {pid: _proc_cpu(pid) for pid in self.backends}
+        self._seen = {pid: proc_cpu(pid) for pid in self.backends}
 
     def stop(self) -> dict[str, float]:
         """``{"python": s, "db": s}``: a backend opened after :meth:`start` counts whole."""
-        used = sum(_proc_cpu(pid) - self._seen.get(pid, 0.0) for pid in self.backends)
+        used = sum(proc_cpu(pid) - self._seen.get(pid, 0.0) for pid in self.backends)
         return {"python": time.process_time() - self._own, "db": used}
 
 
-def _proc_cpu(pid: int) -> float:
+def proc_cpu(pid: int) -> float:
     """utime + stime of a process in seconds (0 when it is gone or not readable)."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()

@@ -19,13 +19,21 @@ def test_bench_tiny_writes_results_and_plots(tmp_path: Path) -> None:
     out = tmp_path / "out"
     proc = subprocess.run(
         [sys.executable, "-m", "bench", "--tiny", "--results", str(results), "--out", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=120, check=False,
+        cwd=ROOT, capture_output=True, text=True, timeout=180, check=False,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     data = json.loads(results.read_text())
     assert set(data["databases"]) == {"postgresql", "sqlite"}
     for figures in data["databases"].values():
         assert {"baseline", "relay", "consumer", "latency", "producer", "ceiling"} <= set(figures)
+        rows = figures["consumer_handlers"]["rows"]  # issue 23: against the hand-written loop
+        assert set(rows) == {"loop", "no-op", "one-row", "batch"}
+        assert rows["loop"]["ratio"] == 1.0 and all(r["median"] > 0 for r in rows.values())
+    assert {t["name"] for t in data["targets"]} >= {
+        "postgresql consumer, one-row handler / hand-written loop",
+        "postgresql consumer, batch handler / hand-written loop",
+        "postgresql consumer, no-op handler / hand-written loop",
+    }
     assert data["memory"]["processes"].keys() == {"relay", "consumer"}
     assert {t["name"] for t in data["targets"]} >= {"RSS growth of relay (%)"}
     assert sorted(p.name for p in out.glob("*.png")) == [
