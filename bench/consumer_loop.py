@@ -29,6 +29,7 @@ consumer's), the effects to :data:`effects`, which the handlers compared with it
 * ``batch`` (:func:`batch_handler`): ``Handlers.register_batch(type, fn)``, all the claim's
   events of the type in one ``executemany`` insert;
 * ``no-op``: the bench's usual handler, nothing written (the claim's own cost).
+* ``async one-row``: the one-row handler as ``async def`` (the claim on an async engine).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from typing import Any
 import psycopg
 import redis
 from sqlalchemy import BigInteger, Column, Connection, MetaData, String, Table, insert
+from sqlalchemy.ext.asyncio import AsyncConnection
 
 from bench.env import Target
 from outbox_relay.consumer.handlers import Handlers
@@ -56,7 +58,7 @@ effects = Table(
 )
 INSERT_EFFECT = insert(effects)  # built once: SQLAlchemy caches its compiled form
 
-VARIANTS = ("loop", "no-op", "one-row", "batch")
+VARIANTS = ("loop", "no-op", "one-row", "batch", "async one-row")
 """The rows of the comparison, in the order of the first round (the second is reversed)."""
 
 
@@ -74,6 +76,12 @@ def one_row_handler(conn: Connection, event: Event) -> None:
                                  "n": event.data["n"]})
 
 
+async def async_one_row_handler(conn: AsyncConnection, event: Event) -> None:
+    """The one-row handler as ``async def`` (consumer/async_handlers.py)."""
+    await conn.execute(INSERT_EFFECT, {"event_id": event.id, "aggregate_id": event.aggregateid,
+                                       "n": event.data["n"]})
+
+
 def batch_handler(conn: Connection, events: list[Event]) -> None:
     """The same rows for all the claim's events of the type: one ``executemany`` insert."""
     conn.execute(INSERT_EFFECT, [{"event_id": e.id, "aggregate_id": e.aggregateid,
@@ -81,10 +89,13 @@ def batch_handler(conn: Connection, events: list[Event]) -> None:
 
 
 def handlers_for(variant: str, event_type: str) -> Handlers:
-    """The registry of one compared row (``no-op``, ``one-row``, ``batch``)."""
+    """The registry of one compared row (``no-op``, ``one-row``, ``batch``,
+    ``async one-row``)."""
     handlers = Handlers()
     if variant == "batch":
         handlers.register_batch(event_type, batch_handler)
+    elif variant == "async one-row":
+        handlers.register(event_type, async_one_row_handler)
     else:
         handlers.register(event_type, one_row_handler if variant == "one-row" else _noop)
     return handlers

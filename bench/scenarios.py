@@ -28,7 +28,7 @@ from bench import consumer_loop, workers
 from bench.baseline import Phases, drain_baseline
 from bench.env import EVENT_TYPE, REDIS_URL, STREAM, Target, entry_fields, fill_streams, outbox_rows
 from bench.topologies import Topology
-from outbox_relay.consumer import streams
+from outbox_relay.consumer import async_handlers, streams
 from outbox_relay.consumer.daemon import Consumer
 from outbox_relay.producer import Producer
 from outbox_relay.relay import entry_ids
@@ -235,7 +235,7 @@ def consumer_handlers(
     for number in range(rounds):
         order = consumer_loop.VARIANTS if number % 2 == 0 else consumer_loop.VARIANTS[::-1]
         for variant in order:
-            group = f"bench-{number}-{variant}"
+            group = f"bench-{number}-{variant.replace(' ', '-')}"
             _empty_claim_tables(target)
             streams.ensure_groups(target.redis, stream_keys, group)
             if variant == "loop":
@@ -317,6 +317,7 @@ def _handler_run(
         cpu = meter.stop()
     finally:
         consumer.client.close()
+        async_handlers.close()  # the async row's engine and loop
         engine.dispose()
     return Run(consumer.stats.applied / wall, wall, cpu)
 

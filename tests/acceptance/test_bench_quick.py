@@ -27,12 +27,13 @@ def test_bench_tiny_writes_results_and_plots(tmp_path: Path) -> None:
     for figures in data["databases"].values():
         assert {"baseline", "relay", "consumer", "latency", "producer", "ceiling"} <= set(figures)
         rows = figures["consumer_handlers"]["rows"]  # issue 23: against the hand-written loop
-        assert set(rows) == {"loop", "no-op", "one-row", "batch"}
+        assert set(rows) == {"loop", "no-op", "one-row", "batch", "async one-row"}
         assert rows["loop"]["ratio"] == 1.0 and all(r["median"] > 0 for r in rows.values())
     assert {t["name"] for t in data["targets"]} >= {
         "postgresql consumer, one-row handler / hand-written loop",
         "postgresql consumer, batch handler / hand-written loop",
         "postgresql consumer, no-op handler / hand-written loop",
+        "postgresql consumer, async one-row handler / hand-written loop",
     }
     assert data["memory"]["processes"].keys() == {"relay", "consumer"}
     assert {t["name"] for t in data["targets"]} >= {"RSS growth of relay (%)"}
