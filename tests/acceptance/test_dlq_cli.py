@@ -142,6 +142,21 @@ def test_purge_by_age_group_and_dry_run(env: dict[str, str], redis_client: redis
     assert bad.returncode == 2 and bad.stderr.startswith("error invalid_config: --older-than")
 
 
+def test_purge_without_a_filter_needs_all(env: dict[str, str], redis_client: redis.Redis) -> None:
+    make_dead_letters(env, redis_client)
+    for flags in ([], ["--older-than", "0"], ["--older-than", "off"]):
+        refused = outbox(env, "dlq", "purge", *flags)  # OUTBOX_GROUP is set: not a filter
+        assert refused.returncode == 2, refused.stdout
+        assert refused.stderr.startswith(
+            "error invalid_config: purge with no filter would delete every dead letter of "
+            "every group for good"), refused.stderr
+        assert "--all" in refused.stderr and refused.stdout == ""
+    assert len(json.loads(outbox(env, "dlq", "list", "--json").stdout)) == 3  # untouched
+    everything = outbox(env, "dlq", "purge", "--all")
+    assert everything.returncode == 0 and "3 dead letter(s) deleted" in everything.stdout
+    assert json.loads(outbox(env, "dlq", "list", "--json").stdout) == []
+
+
 def test_show_cuts_long_fields_unless_full(env: dict[str, str], redis_client: redis.Redis) -> None:
     prefix = env["OUTBOX_KEY_PREFIX"]
     big = event()

@@ -5,7 +5,13 @@ without Redis or a database: routes, content negotiation, liveness, readiness an
 from __future__ import annotations
 
 import json
+import logging
+import select
+import selectors
+import socket
+import struct
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -21,6 +27,8 @@ from outbox_relay.shared.errors import UnavailableError
 from outbox_relay.shared.metrics import Naming, Source, StatsCollector, discover
 from outbox_relay.shared.metrics_server import MetricsServer
 from outbox_relay.shared.periodic import Periodic
+from outbox_relay.shared.settings import DaemonSettings
+from tests.helpers import wait_until
 
 
 def get(port: int, path: str, accept: str = "") -> tuple[int, str, str]:
@@ -197,3 +205,144 @@ def test_discover_finds_stats_added_after_start(registry: CollectorRegistry) -> 
 @dataclass
 class PrunedStats:
     pruned_rows: int = 0
+
+
+# -- Hardening (issue 28, finding 3): loopback by default, bounded pool, deadline, no traceback.
+
+HALF_SENT = b"GET /metrics HTTP/1.1\r\nHost: x\r\n"  # no blank line: the head never ends
+
+
+def test_the_metrics_port_binds_loopback_unless_told(
+    registry: CollectorRegistry, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("OUTBOX_METRICS_HOST", raising=False)
+    settings = DaemonSettings()
+    assert settings.metrics_host == "127.0.0.1"
+    srv = MetricsServer(settings.metrics_host, 0, registry)
+    try:
+        assert srv.host == "127.0.0.1"
+    finally:
+        srv.stop()
+    monkeypatch.setenv("OUTBOX_METRICS_HOST", "0.0.0.0")
+    assert DaemonSettings().metrics_host == "0.0.0.0"  # told: e.g. a Kubernetes pod
+
+
+def drain_until_closed(socks: list[socket.socket], timeout: float) -> dict[socket.socket, float]:
+    """Read every socket until the server closes it; when each closed (monotonic)."""
+    closed: dict[socket.socket, float] = {}
+    with selectors.DefaultSelector() as sel:
+        for sock in socks:
+            sock.setblocking(False)
+            sel.register(sock, selectors.EVENT_READ)
+        deadline = time.monotonic() + timeout
+        while len(closed) < len(socks):
+            left = deadline - time.monotonic()
+            assert left > 0, f"{len(socks) - len(closed)} connections still open after {timeout}s"
+            for key, _ in sel.select(timeout=min(left, 0.5)):
+                ready = key.fileobj
+                assert isinstance(ready, socket.socket)
+                try:
+                    data = ready.recv(65536)
+                except ConnectionError:
+                    data = b""
+                if not data:
+                    closed[ready] = time.monotonic()
+                    sel.unregister(ready)
+    return closed
+
+
+def test_half_sent_requests_hold_no_more_than_the_pool_and_are_closed_after_the_timeout(
+    registry: CollectorRegistry,
+) -> None:
+    srv = MetricsServer("127.0.0.1", 0, registry, request_timeout_s=1.0, max_connections=8)
+    socks: list[socket.socket] = []
+    try:
+        before = threading.active_count()
+        started = time.monotonic()
+        most = 0
+        for _ in range(200):
+            sock = socket.create_connection(("127.0.0.1", srv.port), timeout=10)
+            socks.append(sock)
+            sock.sendall(HALF_SENT)
+            most = max(most, threading.active_count())
+        wait_until(lambda: srv.accepted + srv.refused == 200, timeout=20,
+                   what="every connection taken or refused")
+        assert max(most, threading.active_count()) <= before + 8  # the pool, made as needed
+        assert srv.refused > 0
+        closed = drain_until_closed(socks, timeout=20)
+        # Each connection the pool took was held until its deadline, then closed.
+        assert sorted(closed.values())[-1] - started >= 0.9
+        wait_until(lambda: srv.busy == 0, timeout=10, what="the pool to be free")
+        assert threading.active_count() <= before + 8
+        assert get(srv.port, "/healthz")[0] == 200  # and it serves again
+    finally:
+        for sock in socks:
+            sock.close()
+        srv.stop()
+
+
+def test_a_client_dripping_its_head_is_cut_off_at_the_deadline(
+    registry: CollectorRegistry,
+) -> None:
+    srv = MetricsServer("127.0.0.1", 0, registry, request_timeout_s=1.0, max_connections=2)
+    try:
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as sock:
+            started = time.monotonic()
+            closed_after = None
+            while closed_after is None and time.monotonic() - started < 10:
+                try:
+                    sock.sendall(b"X")  # one byte every 0.1 s: no single read waits long
+                    readable, _, _ = select.select([sock], [], [], 0.1)
+                    if readable and not sock.recv(1024):
+                        closed_after = time.monotonic() - started
+                except ConnectionError:
+                    closed_after = time.monotonic() - started
+            assert closed_after is not None and 0.9 <= closed_after < 5
+    finally:
+        srv.stop()
+
+
+def test_resets_and_garbage_log_one_line_each_and_never_a_traceback(
+    registry: CollectorRegistry, capfd: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.DEBUG, logger="outbox_relay.shared.metrics_server")
+    srv = MetricsServer("127.0.0.1", 0, registry, request_timeout_s=1.0)
+    try:
+        tls_hello = b"\x16\x03\x01garbage\r\n\r\n"  # a scanner speaking TLS: a 400
+        for payload in [HALF_SENT, b"GET /metrics HTTP/1.0\r\n\r\n", tls_hello]:
+            for _ in range(10):
+                sock = socket.create_connection(("127.0.0.1", srv.port), timeout=10)
+                sock.sendall(payload)
+                # SO_LINGER 0: close() sends a reset, as a killed client or a scanner does.
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                sock.close()
+        wait_until(lambda: srv.busy == 0, timeout=10, what="every connection handled")
+        assert get(srv.port, "/healthz")[0] == 200
+    finally:
+        srv.stop()
+    assert "Traceback" not in capfd.readouterr().err
+    for record in caplog.records:
+        assert record.exc_info is None and record.levelno <= logging.INFO, record.getMessage()
+        assert "\n" not in record.getMessage()
+
+
+def test_stop_cuts_held_connections_so_the_pool_ends_at_once(
+    registry: CollectorRegistry,
+) -> None:
+    def workers() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name.startswith("outbox-metrics-worker")]
+
+    srv = MetricsServer("127.0.0.1", 0, registry, request_timeout_s=60.0, max_connections=4)
+    socks = [socket.create_connection(("127.0.0.1", srv.port), timeout=10) for _ in range(4)]
+    try:
+        for sock in socks:
+            sock.sendall(HALF_SENT)
+        wait_until(lambda: srv.busy == 4, what="four held connections")
+        assert len(workers()) >= 4
+        srv.stop()
+        wait_until(lambda: srv.busy == 0 and not workers(), timeout=5,
+                   what="the pool's threads to end well before the 60 s deadline")
+    finally:
+        for sock in socks:
+            sock.close()

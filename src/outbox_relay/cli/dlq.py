@@ -7,7 +7,9 @@ operator decided; see :mod:`consumer.dead_letters`, also for why it does not re-
 the stream). Exit status: 0 when every letter asked for was replayed, 1 when some
 stay in the dead-letter stream (each is printed with the reason it stayed). ``replay --all``
 with no group given (``--group`` / ``OUTBOX_GROUP``) does not guess: it lists the groups that
-have letters. ``purge`` deletes letters for good (``--older-than``, ``--group``, ``--dry-run``).
+have letters. ``purge`` deletes letters for good (``--older-than``, ``--group``, ``--stream``,
+``--dry-run``); with no filter at all it refuses (exit 2) unless ``--all`` says every letter of
+every group is meant (``OUTBOX_GROUP`` in the environment is not a filter: a flag is).
 """
 
 from __future__ import annotations
@@ -59,6 +61,8 @@ def add_commands(dlq_parser: argparse.ArgumentParser, leaf: LeafFactory) -> None
     pg.add_argument("--older-than", default="0", metavar="DURATION",
                     help="only letters written longer ago than this (90s, 15m, 7d; default: all)")
     pg.add_argument("--dry-run", action="store_true", help="count, delete nothing")
+    pg.add_argument("--all", action="store_true",
+                    help="with no filter: delete every letter of every group (else refused)")
 
 
 def _filters(parser: argparse.ArgumentParser) -> None:
@@ -127,6 +131,11 @@ def cmd_purge(args: argparse.Namespace) -> int:
         older = parse_duration(args.older_than)
     except ValueError as err:
         raise ConfigError(f"--older-than: {err}") from None
+    unfiltered = args.group is None and args.stream is None and older == 0
+    if unfiltered and not args.all and not args.dry_run:
+        raise ConfigError("purge with no filter would delete every dead letter of every group "
+                          "for good: name --group, --stream or --older-than, or give --all "
+                          "(--dry-run counts them)")
     removed = dead_letters.purge(
         connect_redis(settings.redis_url), settings.key_prefix, older_than_ms=int(older * 1000),
         now_ms=now_ms(), group=args.group, stream=args.stream, partition=args.partition,

@@ -109,6 +109,9 @@ class Consumer:
         self.client = client
         self.handlers = handlers
         self.name = settings.consumer or f"{socket.gethostname()}:{os.getpid()}"
+        # Entries above this are refused unread (consumer/streams.py); None: plain reads.
+        self._entry_limit = (streams.entry_limit(settings.max_data_bytes)
+                             if settings.bounded_reads else None)
         ids = {keys.stream_key(settings.key_prefix, s, p): (s, p)
                for s in settings.stream_names() for p in range(settings.partitions)}
         self.keys = list(ids)
@@ -216,6 +219,7 @@ class Consumer:
                 self.client, dict.fromkeys(ready, ">"), self.settings.group, self.name,
                 count=self.settings.batch_size,
                 block_ms=self.settings.block_ms if block_ms is None else block_ms,
+                max_entry_bytes=self._entry_limit,
             )
         except UnavailableError:
             self._drain(ready, "read of unknown outcome")  # entries may have come to us
@@ -274,7 +278,8 @@ class Consumer:
         drained: list[str] = []
         while cursors and not self._stop.is_set():
             entries = streams.read(self.client, cursors, s.group, self.name,
-                                   count=s.batch_size, block_ms=None)
+                                   count=s.batch_size, block_ms=None,
+                                   max_entry_bytes=self._entry_limit)
             for e in entries:
                 cursors[e.key] = e.entry_id
             self.stats.autoclaimed += len(entries)

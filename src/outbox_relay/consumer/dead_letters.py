@@ -84,7 +84,8 @@ class DeadLetter:
     @property
     def reason(self) -> str:
         """The reason code (``missing_field``, ``unknown_type``, ``max_deliveries``,
-        ``out_of_order`` (with ``dlq.revision`` and ``dlq.head``), ``trimmed`` …)."""
+        ``out_of_order`` (with ``dlq.revision`` and ``dlq.head``), ``trimmed``, ``oversized``
+        (with ``dlq.size`` and no original fields) …)."""
         return self.meta.get("reason", "unknown")
 
     @property
@@ -205,6 +206,9 @@ def replay(
     lid = letter.letter_id
     if letter.group != group:
         return Replayed(lid, "skipped", f"other_group: the letter belongs to {letter.group!r}")
+    if letter.reason == "oversized":  # refused from its size: the letter holds no event
+        return Replayed(lid, "invalid", "oversized: the entry was never read (dlq.size "
+                        f"{letter.meta.get('size', '?')} bytes); there is nothing to replay")
     try:
         event = Event.from_fields(letter.fields, max_data_bytes=max_data_bytes)
     except InvalidEventError as err:

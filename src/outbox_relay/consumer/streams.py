@@ -1,4 +1,17 @@
-"""Every Redis command of the consumer: groups, read, autoclaim, pending, ack, dead letters."""
+"""Every Redis command of the consumer: groups, read, autoclaim, pending, ack, dead letters.
+
+Reads are bounded in memory (issue 28, finding 6): an entry larger than ``max_entry_bytes``
+never leaves Redis. ``XREADGROUP`` runs inside a small script (:data:`READ_BOUNDED`) that
+replaces the fields of such an entry by its size before the reply is sent, so the consumer
+receives a few bytes for it (:class:`OversizedFields`), dead-letters it as ``oversized`` and
+acknowledges it, and the partition goes on. Why a script: Redis has no command that returns
+a stream entry's size without its data (``MEMORY USAGE`` is per key, ``XINFO`` and ``XRANGE``
+return the fields), and an ``XREADGROUP`` sent by the client returns every entry whole. A
+script cannot block, so a read that would wait (``block_ms``) polls instead: it tries again
+after 1 ms, doubling up to :data:`POLL_MAX_S`, until ``block_ms`` has passed. What is bounded
+is the consumer (and the network): inside Redis the script holds a copy of the entry while it
+counts, memory Redis gives back as soon as the script returns.
+"""
 
 from __future__ import annotations
 
@@ -12,11 +25,66 @@ from typing import Any
 import redis
 
 from outbox_relay.shared import keys
+from outbox_relay.shared.envelope import DEFAULT_MAX_DATA_BYTES
 from outbox_relay.shared.redis_conn import is_cluster, translate_redis_errors
 
 log = logging.getLogger(__name__)
 
 RawFields = Mapping[bytes, bytes]
+
+ENTRY_HEADROOM_BYTES = 65_536
+"""Room for an entry's other fields (id, source, type, trace context, signature) beyond its
+``data``: an entry is refused unread when its fields and values, together, exceed
+``max_data_bytes`` plus this."""
+DEFAULT_MAX_ENTRY_BYTES = DEFAULT_MAX_DATA_BYTES + ENTRY_HEADROOM_BYTES
+POLL_FIRST_S = 0.001
+POLL_MAX_S = 0.02
+"""The longest pause between two tries of a read that waits for new entries: the latency a
+new entry can see on an idle consumer."""
+
+READ_BOUNDED = """
+local call = {'XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', ARGV[3], 'STREAMS'}
+for i = 1, #KEYS do call[#call + 1] = KEYS[i] end
+for i = 5, #ARGV do call[#call + 1] = ARGV[i] end
+local reply = redis.call(unpack(call))
+if not reply or #reply == 0 then return false end
+if type(reply[1]) == 'string' then  -- key, entries, key, … (fakeredis flattens the pairs)
+  local paired = {}
+  for i = 1, #reply, 2 do paired[#paired + 1] = {reply[i], reply[i + 1]} end
+  reply = paired
+end
+local limit = tonumber(ARGV[4])
+for _, stream in ipairs(reply) do
+  for _, entry in ipairs(stream[2]) do
+    local fields = entry[2]
+    if fields then
+      local size = 0
+      for i = 1, #fields do size = size + #fields[i] end
+      if size > limit then entry[2] = {size} end
+    end
+  end
+end
+return reply
+"""
+"""``XREADGROUP GROUP g c COUNT n STREAMS keys… starts…`` whose entries above ``ARGV[4]``
+bytes (names and values) come back as ``{size}`` instead of their fields. The entry was
+delivered to the group like any other (it is pending for us until acknowledged)."""
+
+
+def entry_limit(max_data_bytes: int) -> int:
+    """The largest entry a consumer with this ``max_data_bytes`` reads (see
+    :data:`ENTRY_HEADROOM_BYTES`)."""
+    return max_data_bytes + ENTRY_HEADROOM_BYTES
+
+
+class OversizedFields(dict[bytes, bytes]):
+    """The fields of an entry refused from its size: empty (it was never read), with its
+    ``size`` in bytes as Redis's script counted it and the ``limit`` it exceeded."""
+
+    def __init__(self, size: int, limit: int) -> None:
+        super().__init__()
+        self.size = size
+        self.limit = limit
 
 
 @dataclass(frozen=True)
@@ -53,34 +121,69 @@ def read(
     *,
     count: int,
     block_ms: int | None,
+    max_entry_bytes: int | None = DEFAULT_MAX_ENTRY_BYTES,
 ) -> list[Entry]:
     """``XREADGROUP`` from ``{key: start}``: ``">"`` for new entries, an id for our own
-    pending entries after it (their delivery counters come from ``XPENDING``).
+    pending entries after it (their delivery counters come from ``XPENDING``). An entry
+    larger than ``max_entry_bytes`` comes back with :class:`OversizedFields`, unread.
 
-    On Redis Cluster each partition stream lives in its own slot, and one ``XREADGROUP`` may
-    not name two slots (``CROSSSLOT``): see :func:`_read_each`.
+    With ``block_ms``, waits up to that long for entries (polling, see the module's
+    docstring). On Redis Cluster each partition stream lives in its own slot, and one script
+    may not name two slots (``CROSSSLOT``): one call per stream there.
+
+    ``max_entry_bytes=None`` (``OUTBOX_BOUNDED_READS=false``): a plain ``XREADGROUP``, which
+    blocks inside Redis (an entry arriving is read at once, an idle consumer sends nothing)
+    but returns every entry whole, whatever its size.
     """
     with translate_redis_errors():
-        if is_cluster(client) and len(starts) > 1:
-            reply: Any = _read_each(client, starts, group, consumer, count, block_ms)
+        if max_entry_bytes is None:
+            entries = _read_whole(client, starts, group, consumer, count, block_ms)
         else:
-            reply = client.xreadgroup(
-                group, consumer, starts, count=count, block=block_ms  # type: ignore[arg-type]
-            )
-    entries = [
-        Entry(text(key), text(entry_id), fields or None)
-        for key, items in (reply or [])
-        for entry_id, fields in items
-    ]
+            entries = _poll_bounded(client, starts, group, consumer, count, block_ms,
+                                    max_entry_bytes)
     pending = any(start != ">" for start in starts.values())
     if pending and entries:
         return with_delivery_counts(client, group, consumer, entries)
     return entries
 
 
+def _poll_bounded(
+    client: redis.Redis, starts: dict[str, str], group: str, consumer: str, count: int,
+    block_ms: int | None, limit: int,
+) -> list[Entry]:
+    """:func:`_read_bounded` until it returns entries or ``block_ms`` passed (polling)."""
+    deadline = time.monotonic() + (block_ms or 0) / 1000
+    pause = POLL_FIRST_S
+    while True:
+        entries = _read_bounded(client, starts, group, consumer, count, limit)
+        left = deadline - time.monotonic()
+        if entries or left <= 0:
+            return entries
+        time.sleep(min(pause, left))
+        pause = min(pause * 2, POLL_MAX_S)
+
+
+def _read_whole(
+    client: redis.Redis, starts: dict[str, str], group: str, consumer: str, count: int,
+    block_ms: int | None,
+) -> list[Entry]:
+    """One blocking ``XREADGROUP`` (pipelined per stream on a cluster: :func:`_read_each`)."""
+    if is_cluster(client) and len(starts) > 1:
+        reply: Any = _read_each(client, starts, group, consumer, count, block_ms)
+    else:
+        reply = client.xreadgroup(
+            group, consumer, starts, count=count, block=block_ms  # type: ignore[arg-type]
+        )
+    return [
+        Entry(text(key), text(entry_id), fields or None)
+        for key, items in (reply or [])
+        for entry_id, fields in items
+    ]
+
+
 CLUSTER_BLOCK_MS = 50
-"""On a cluster, the longest a read blocks on one partition stream while the others may get
-entries: the extra latency an entry can see when its stream was not the one blocked on."""
+"""On a cluster, the longest a plain read blocks on one partition stream while the others may
+get entries: the extra latency an entry can see when its stream was not the one blocked on."""
 
 
 def _read_each(
@@ -102,6 +205,38 @@ def _read_each(
     reply: Any = client.xreadgroup(group, consumer, {key: starts[key]}, count=count,
                                    block=min(block_ms, CLUSTER_BLOCK_MS))
     return list(reply or [])
+
+
+def _read_bounded(
+    client: redis.Redis, starts: dict[str, str], group: str, consumer: str, count: int,
+    limit: int,
+) -> list[Entry]:
+    """One :data:`READ_BOUNDED` call (one per stream on a cluster), never blocking."""
+    script = client.register_script(READ_BOUNDED)
+    if is_cluster(client) and len(starts) > 1:
+        reply: list[Any] = [
+            item for key, start in starts.items()
+            for item in (script(keys=[key], args=[group, consumer, count, limit, start]) or [])
+        ]
+    else:
+        reply = script(keys=list(starts), args=[group, consumer, count, limit,
+                                                *starts.values()]) or []
+    return [
+        Entry(text(key), text(entry_id), _fields(raw, limit))
+        for key, items in reply
+        for entry_id, raw in items
+    ]
+
+
+def _fields(raw: list[Any] | None, limit: int) -> RawFields | None:
+    """An entry's fields from the script's flat ``[name, value, …]``; ``None`` for an entry
+    deleted while pending; :class:`OversizedFields` for ``[size]`` (a real entry always has
+    an even number of items, each a string)."""
+    if not raw:
+        return None
+    if len(raw) == 1 and isinstance(raw[0], int):
+        return OversizedFields(raw[0], limit)
+    return dict(zip(raw[::2], raw[1::2], strict=True))
 
 
 def with_delivery_counts(
@@ -159,6 +294,8 @@ def dead_letter(
             parsed = keys.parse_stream_key(prefix, entry.key)
             dlq = keys.dead_letter_key(prefix, *parsed) if parsed else f"{entry.key}:dead"
             fields: dict[Any, Any] = dict(entry.fields or {})
+            if isinstance(entry.fields, OversizedFields):  # no fields: only its size
+                fields["dlq.size"] = str(entry.fields.size)
             fields.update(
                 {
                     "dlq.reason": reason,

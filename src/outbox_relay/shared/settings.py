@@ -284,6 +284,11 @@ class ConsumerSettings(DaemonSettings, RetentionSettings):
     max_data_bytes: int = Field(
         1_048_576, ge=1, description="Largest accepted 'data' field; larger is dead-lettered."
     )
+    bounded_reads: bool = Field(
+        True, description="Refuse entries larger than max_data_bytes + 64 KiB unread (a read "
+        "script; an idle consumer polls every 1-20 ms). false: plain blocking XREADGROUP, "
+        "faster to see a new entry when idle, but an entry of any size is read whole.",
+    )
     redis_timeout_s: float = Field(
         10.0, gt=0, description="Socket timeout of Redis calls (must exceed block_ms)."
     )
