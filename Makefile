@@ -9,11 +9,19 @@ STAMP  := $(VENV)/.installed-stamp
 
 .PHONY: install demo test test-cluster lint typecheck unit integration acceptance bench bench-quick torture torture-short soak soak-quick clean
 
+# `make install` says what it does; pip prints one line per package (no progress bars in CI,
+# CI=true, where they would fill the log), so a first install of ~30 s is never silent.
+PIP_PROGRESS := $(if $(CI),--progress-bar off,)
+
 $(STAMP): pyproject.toml
+	@echo "==> creating the virtualenv $(VENV) with $(PYTHON)"
 	$(PYTHON) -m venv $(VENV)
+	@echo "==> upgrading pip in $(VENV)"
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[dev,postgres,sqlite-async,http,otel]'
+	@echo "==> installing outbox-relay with its extras (dev,postgres,sqlite-async,http,otel) into $(VENV); about 30 s the first time"
+	$(BIN)/python -m pip install $(PIP_PROGRESS) -e '.[dev,postgres,sqlite-async,http,otel]'
 	touch $(STAMP)
+	@echo "==> installed: run $(BIN)/outbox --help, or 'source $(BIN)/activate' first for plain 'outbox'"
 
 install: $(STAMP)
 
@@ -51,13 +59,16 @@ bench-quick: install
 	$(BIN)/python -m bench --quick
 
 # Crash-safety proof: >= 1000 kills per database plus broker and database faults, with stream
-# trimming and pruning running (aggressive retention; --no-retention turns it off);
-# the report is printed and written to torture/out/report.json.
+# trimming and pruning running (aggressive retention; --no-retention turns it off), consumers
+# and workers paused past their lease, the handlers' downstream down for 150 s and a chained
+# hop (a handler publishes, a second group applies); the report is printed and written to
+# torture/out/report.json.
 # Then failovers (torture/brokers.py): a 3-master Redis Cluster with WAIT (nothing marked may be
 # missing from a promoted replica) and without (repair puts back what it lacked), and a Sentinel
 # set without WAIT; each report in torture/out/.
 torture: install
-	$(BIN)/python -m torture --database both --run-worker --kills 1000 --duration 120
+	$(BIN)/python -m torture --database both --run-worker --kills 1000 --duration 120 \
+		--outage-s 150
 	$(BIN)/python -m torture --database both --redis cluster --wait-replicas 1 --kills 150 \
 		--duration 120 --out torture/out/cluster-wait.json
 	$(BIN)/python -m torture --database both --redis cluster --kills 150 --duration 120 \

@@ -136,29 +136,6 @@ def test_demo_consumes_every_run(tmp_path: Path) -> None:
             client.close()
 
 
-def test_demo_prints_outbox_commands_that_work_as_printed(tmp_path: Path) -> None:
-    env = {"OUTBOX_DATABASE_URL": "sqlite:///./demo.db", "OUTBOX_REDIS_URL": REDIS_URL}
-    result = outbox("demo", "--runs", "10", "--timeout", "120", env=env, cwd=tmp_path,
-                    timeout=180)
-    assert result.returncode == 0, result.stderr
-    printed = [line.strip() for line in result.stdout.splitlines()
-               if line.strip().endswith("outbox status")]
-    assert len(printed) == 1, result.stdout
-    prefix = printed[0].split("OUTBOX_KEY_PREFIX=")[1].split()[0]
-    try:
-        base = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
-        base["PATH"] = f"{OUTBOX.parent}{os.pathsep}{base.get('PATH', '')}"  # the venv's
-        status = subprocess.run(printed[0], shell=True, cwd=tmp_path, env=base,
-                                capture_output=True, text=True, timeout=60, check=False)
-        assert status.returncode == 0, status.stderr
-        assert f"{prefix}:{{runs:0}}" in status.stdout
-    finally:
-        client = redis.Redis.from_url(REDIS_URL)
-        for key in client.scan_iter(match=f"{prefix}:*", count=1000):
-            client.delete(key)
-        client.close()
-
-
 @pytest.mark.parametrize(
     "args",
     [("status",), ("db", "check"), ("dlq", "list"), ("prune", "--dry-run"),
@@ -202,7 +179,7 @@ def test_no_command_but_upgrade_creates_a_database_file(
          "invalid_config", 2, ""),
         (("status", "--database-url", "sqlite:///{tmp}/x.db", "--redis-url",
           "redis://:hunter2@no-such-host.invalid:6379/0"), "unavailable", 2,
-         "cannot connect to Redis: "),
+         "cannot connect to Redis at no-such-host.invalid:6379/0: "),
         (("db", "upgrade", "--database-url", "sqlite:///{tmp}/missing/dir/x.db"), "unavailable",
          1, "cannot open the SQLite database"),
         (("relay", "--partitions", "0"), "invalid_config", 2, ""),
@@ -249,7 +226,8 @@ def test_relay_until_idle_gives_up_on_a_redis_that_is_down(tmp_path: Path) -> No
                     "redis://127.0.0.1:1/0", "--startup-timeout-s", "2",
                     "--partitions", str(PARTITIONS), timeout=60)
     assert result.returncode == 1, result.stderr
-    assert result.stderr.strip().splitlines()[-1].startswith("error unavailable: Redis is ")
+    assert result.stderr.strip().splitlines()[-1] == (
+        "error unavailable: Redis at 127.0.0.1:1/0 is unavailable or timed out")
 
 
 def test_relay_waits_for_a_database_that_comes_up_after_it(

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -36,7 +37,7 @@ from outbox_relay.runs.store import RunStore, store_for
 from outbox_relay.shared import db, keys
 from outbox_relay.shared.errors import ConfigError, UnavailableError
 from outbox_relay.shared.redaction import redact_url
-from outbox_relay.shared.redis_conn import connect_redis
+from outbox_relay.shared.redis_conn import connect_redis, translate_redis_errors
 from outbox_relay.shared.schema import inbox, outbox
 from outbox_relay.shared.settings import CommonSettings
 
@@ -190,10 +191,14 @@ def _answer_questions(engine: Engine, store: RunStore, stamp: str,
 
 
 def _redis(url: str) -> tuple[str, subprocess.Popen[bytes] | None]:
+    """The Redis at ``url``, or one started for the demo when none answers there. A server
+    that answers but refuses us (credentials, no such database, not Redis) is an error: a
+    Redis of our own would hide the mistake in the URL."""
     try:
-        connect_redis(url, timeout_s=2).ping()
+        with translate_redis_errors():
+            connect_redis(url, timeout_s=2).ping()
         return url, None
-    except (redis.RedisError, UnavailableError):
+    except UnavailableError:
         pass
     binary = shutil.which("redis-server")
     if binary is None:
@@ -301,6 +306,8 @@ def _render(s: dict[str, Any], stamp: str, partitions: int, redis_url: str) -> s
            f"OUTBOX_PARTITIONS={partitions}")
     if not s.get("redis_started_for_demo"):
         env += f" OUTBOX_REDIS_URL={redact_url(redis_url)}"
+    outbox_cmd, hint = outbox_command()
+    env += f" {outbox_cmd}"
     return "\n".join([
         "",
         f"created             {s['created']:>8}",
@@ -329,10 +336,32 @@ def _render(s: dict[str, Any], stamp: str, partitions: int, redis_url: str) -> s
         "and with outbox (the demo's database and key prefix; status and dlq also need that "
         "Redis):" if not s.get("redis_started_for_demo") else
         "and with outbox, given that Redis (set OUTBOX_REDIS_URL too):",
-        f"  {env} outbox status",
-        f"  {env} outbox dlq list",
-        f"  {env} outbox prune --dry-run",
+        f"  {env} status",
+        f"  {env} dlq list",
+        f"  {env} prune --dry-run",
+        *([hint] if hint else []),
     ])
+
+
+def outbox_command() -> tuple[str, str | None]:
+    """How to run this install's ``outbox`` from the current directory, and a hint to print
+    when that is not plain ``outbox``. ``make demo`` runs ``.venv/bin/outbox`` without
+    activating the virtualenv, so ``outbox`` alone would be "command not found": print the
+    script's path (relative when it is below the current directory) and how to activate."""
+    script = Path(sys.executable).with_name("outbox")  # the virtualenv's bin/, not resolved
+    if not script.exists():  # an interpreter without the console script: run the module
+        return f"{shlex.quote(sys.executable)} -m outbox_relay", None
+    found = shutil.which("outbox")
+    if found is not None and Path(found).resolve() == script.resolve():
+        return "outbox", None
+    try:
+        shown = script.relative_to(Path.cwd())
+    except ValueError:
+        shown = script
+    activate = shlex.quote(str(shown.with_name("activate")))
+    hint = (f"({shown} is this install's outbox command; after `source {activate}`, plain "
+            "`outbox` works too)" if shown.with_name("activate").exists() else None)
+    return shlex.quote(str(shown)), hint
 
 
 class Progress:

@@ -13,6 +13,8 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 
+import redis
+
 from outbox_relay.cli import apps, options
 from outbox_relay.cli import prune as retention
 from outbox_relay.cli import status as status_report
@@ -23,9 +25,19 @@ from outbox_relay.relay.daemon import Relay
 from outbox_relay.runs import schema as runs_schema
 from outbox_relay.runs.settings import RunSettings, ServeSettings, WorkerSettings
 from outbox_relay.shared import db
-from outbox_relay.shared.errors import CannotConnectError, ConfigError, OutboxError
+from outbox_relay.shared.errors import (
+    CannotConnectError,
+    ConfigError,
+    OutboxError,
+    UnavailableError,
+)
 from outbox_relay.shared.redaction import redact_url
-from outbox_relay.shared.redis_conn import connect_redis
+from outbox_relay.shared.redis_conn import (
+    as_outbox_error,
+    connect_redis,
+    translate_redis_errors,
+    where,
+)
 from outbox_relay.shared.settings import CommonSettings, RelaySettings
 
 log = logging.getLogger("outbox")
@@ -58,10 +70,10 @@ def cmd_db_check(args: argparse.Namespace) -> int:
 def cmd_relay(args: argparse.Namespace) -> int:
     """Run the relay daemon until SIGTERM/SIGINT."""
     settings = options.load_settings(RelaySettings, args)
-    engine = db.make_engine(settings.database_url)
+    engine = db.make_engine(settings.database_url, create=False)  # only `db upgrade` creates
     until_available(lambda: db.check_schema(engine), "schema check", settings.startup_timeout_s)
     client = until_available(  # a Redis Cluster client asks a node for the slot map at once
-        lambda: connect_redis(settings.redis_url, timeout_s=settings.redis_timeout_s),
+        lambda: _daemon_redis(settings.redis_url, settings.redis_timeout_s),
         "connecting to Redis", settings.startup_timeout_s)
     relay = Relay(settings, engine, client)
     retention.register_relay(relay, settings)  # periodic task "retention"
@@ -79,13 +91,13 @@ def cmd_consume(args: argparse.Namespace) -> int:
     app = apps.app_spec(args.app)
     if settings.redis_timeout_s * 1000 <= settings.block_ms:
         raise ConfigError("redis_timeout_s must be longer than block_ms")
-    engine = db.make_engine(settings.database_url)
+    engine = db.make_engine(settings.database_url, create=False)  # only `db upgrade` creates
     patience = settings.startup_timeout_s
     until_available(lambda: db.check_schema(engine), "schema check", patience)
     handlers = until_available(lambda: apps.load_handlers(app, settings), "start-up",
                                patience)
     client = until_available(
-        lambda: connect_redis(settings.redis_url, timeout_s=settings.redis_timeout_s),
+        lambda: _daemon_redis(settings.redis_url, settings.redis_timeout_s),
         "connecting to Redis", patience)
     consumer = Consumer(settings, engine, client, handlers, ownership=True)
     hygiene.install(consumer)  # periodic task "group hygiene"
@@ -96,6 +108,20 @@ def cmd_consume(args: argparse.Namespace) -> int:
     with observe.consumer(consumer):  # --metrics-port: /metrics, /healthz, /readyz
         consumer.run()
     return 0
+
+
+def _daemon_redis(url: str, timeout_s: float) -> redis.Redis:
+    """A daemon's Redis client, after one ``PING``: what retrying cannot fix (no such database
+    number, a server that is not Redis, a wrong password, an unknown host) ends the start-up
+    with its one-line error. A Redis that is down is left to the daemon's loop, which waits it
+    out like any later outage."""
+    client = connect_redis(url, timeout_s=timeout_s)
+    try:
+        with translate_redis_errors():
+            client.ping()
+    except UnavailableError as err:
+        log.warning("%s; starting anyway, retrying it", err.message)
+    return client
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -121,6 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="outbox",
         description="Transactional outbox → Redis Streams → idempotent consumers.",
     )
+    parser.add_argument("--version", action="version", version=f"outbox {_version()}",
+                        help="print the installed outbox-relay version and exit")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     dbp = sub.add_parser("db", help="database schema commands")
@@ -179,6 +207,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _version() -> str:
+    """The installed distribution's version (``0+unknown`` when run from a bare source tree)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("outbox-relay")
+    except metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
 def _leaf(
     sub: argparse._SubParsersAction,  # type: ignore[type-arg]
     name: str,
@@ -204,6 +242,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OutboxError as err:
         print(f"error {err.code}: {redact_url(err.message)}", file=sys.stderr)
         return 1
+    except redis.RedisError as err:  # one a command did not wrap: still one line, no traceback
+        log.debug("unwrapped redis error", exc_info=True)
+        wrapped = as_outbox_error(err) or OutboxError(
+            f"{where(err)} refused a command: {redact_url(str(err))[:200]}", code="redis_error")
+        print(f"error {wrapped.code}: {redact_url(wrapped.message)}", file=sys.stderr)
+        return 2 if isinstance(wrapped, CannotConnectError) else 1
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:  # `outbox status | head`: the reader left; nothing to report

@@ -37,9 +37,10 @@ from sqlalchemy import (
     func,
     inspect,
     literal_column,
+    text,
 )
 from sqlalchemy.dialects import postgresql
-from sqlalchemy.engine import make_url
+from sqlalchemy.engine import URL, make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.sql.selectable import TableValuedAlias
 
@@ -47,6 +48,7 @@ from outbox_relay.shared.errors import (
     CannotConnectError,
     ConfigError,
     OutboxError,
+    ReadOnlyError,
     SchemaNotReadyError,
     SchemaTooNewError,
     UnavailableError,
@@ -82,16 +84,23 @@ def db_now_ms(postgres: bool) -> ColumnElement[int]:
     return cast(func.round(days * literal_column("86400000.0")), BigInteger)
 
 
-def make_engine(url: str, **kwargs: Any) -> Engine:
+SUPPORTED_BACKENDS = ("sqlite", "postgresql")
+
+
+def make_engine(url: str, *, create: bool = True, **kwargs: Any) -> Engine:
     """A sync engine with our SQLite pragmas or PostgreSQL defaults applied.
 
-    A URL SQLAlchemy cannot parse, or whose dialect/driver is not installed, is a
-    :class:`ConfigError` (never a traceback with the URL in it).
+    A URL SQLAlchemy cannot parse, of a database we do not support, or whose driver is not
+    installed, is a :class:`ConfigError` (never a traceback with the URL in it).
+    ``create=False`` (the daemons, the one-shot commands): a SQLite file that is not there is
+    refused at connect (``schema_not_ready``, see :func:`_refuse_missing_file`), never created.
     """
     with _url_errors(url):
-        parsed = make_url(url)
+        parsed = _parse(url)
         if parsed.get_backend_name() == "sqlite":
             engine = create_engine(parsed, **kwargs)
+            if not create and _sqlite_file(parsed) is not None:
+                _refuse_missing_file(engine, parsed.database or "")
             _tune_sqlite(engine)
             _name_connect_errors(engine)
             return engine
@@ -111,20 +120,55 @@ def existing_engine(url: str, **kwargs: Any) -> Engine:
     or the daemons, which wait for a database that is not there yet), so ``outbox status`` in
     the wrong directory never leaves an empty ``outbox.db`` behind."""
     with _url_errors(url):
-        parsed = make_url(url)
+        parsed = _parse(url)
+    path = _sqlite_file(parsed)
+    if path is not None and not path.exists():
+        raise _no_file(parsed.database or "")
+    return make_engine(url, create=False, **kwargs)
+
+
+def _parse(url: str) -> URL:
+    """The URL parsed, of a database we support (SQLite, PostgreSQL), else ``invalid_config``
+    saying so: ``mysql://`` is not supported, however its driver is."""
+    parsed = make_url(url)
+    backend = parsed.get_backend_name()
+    if backend not in SUPPORTED_BACKENDS:
+        raise ConfigError(f"{backend} databases are not supported ({redact_url(url)}); "
+                          f"supported: {', '.join(SUPPORTED_BACKENDS)}")
+    return parsed
+
+
+def _sqlite_file(parsed: URL) -> Path | None:
+    """The file of a SQLite URL (``None``: not SQLite, in memory, or a ``file:`` URI)."""
     name = parsed.database or ""
-    if (parsed.get_backend_name() == "sqlite" and name not in ("", ":memory:")
-            and not name.startswith("file:") and not parsed.query.get("uri")
-            and not Path(name).exists()):
-        raise SchemaNotReadyError(f"there is no database file {name}; run `outbox db upgrade` "
-                                  "(with the same OUTBOX_DATABASE_URL) to create it")
-    return make_engine(url, **kwargs)
+    if (parsed.get_backend_name() != "sqlite" or name in ("", ":memory:")
+            or name.startswith("file:") or parsed.query.get("uri")):
+        return None
+    return Path(name)
+
+
+def _no_file(name: str) -> SchemaNotReadyError:
+    return SchemaNotReadyError(f"there is no database file {name}; run `outbox db upgrade` "
+                               "(with the same OUTBOX_DATABASE_URL) to create it")
+
+
+def _refuse_missing_file(engine: Engine, name: str) -> None:
+    """Refuse to connect where SQLite would create the file ``name``: only ``db upgrade`` and
+    the demo create a database. Checked at every connect, so a daemon that waits at start-up
+    finds the file once it is there; a missing *folder* is left to SQLite, which cannot open
+    it (``unavailable``, retried: the volume is not mounted yet)."""
+    path = Path(name)
+
+    @event.listens_for(engine, "do_connect")
+    def _check(_dialect: Any, _record: Any, _args: Any, _kwargs: Any) -> None:
+        if not path.exists() and path.parent.is_dir():
+            raise _no_file(name)
 
 
 def make_async_engine(url: str, **kwargs: Any) -> AsyncEngine:
     """An async engine (aiosqlite or psycopg async) with the same settings."""
     with _url_errors(url):
-        parsed = make_url(url)
+        parsed = _parse(url)
         if parsed.get_backend_name() == "sqlite":
             parsed = parsed.set(drivername="sqlite+aiosqlite")
             engine = create_async_engine(parsed, **kwargs)
@@ -203,6 +247,11 @@ def _name_connect_errors(engine: Engine) -> None:
 
     @event.listens_for(engine, "handle_error")
     def _on_error(context: Any) -> None:
+        if url.get_backend_name() == "sqlite" and _read_only(context.original_exception):
+            name = url.database or ":memory:"
+            raise ReadOnlyError(f"the SQLite database {name} is read-only: we cannot write to "
+                                "it (the file's or its folder's permissions, a read-only "
+                                "mount, or mode=ro in the URL)") from None
         if context.connection is not None or context.is_disconnect:
             return  # not a connect: translate_errors says "unavailable"
         reason = _driver_reason(str(context.original_exception))
@@ -217,6 +266,12 @@ def _name_connect_errors(engine: Engine) -> None:
         if any(marker in reason.lower() for marker in PERMANENT_CONNECT_FAILURES):
             raise CannotConnectError(message) from None
         raise UnavailableError(message) from None
+
+
+def _read_only(err: BaseException) -> bool:
+    """SQLite's ``SQLITE_READONLY`` family: "attempt to write a readonly database"."""
+    code = getattr(err, "sqlite_errorcode", None)
+    return (code is not None and code & 0xFF == 8) or "readonly database" in str(err)
 
 
 def _driver_reason(text: str) -> str:
@@ -347,7 +402,9 @@ class Migrations:
     def current_not_too_new(self, engine: Engine) -> str | None:
         """The database's migration, refusing one this code does not know (a newer release's)."""
         with translate_errors(), engine.connect() as conn:
-            current = self.database_revision(conn)
+            return self._not_too_new(self.database_revision(conn))
+
+    def _not_too_new(self, current: str | None) -> str | None:
         known = {s.revision for s in ScriptDirectory(str(self.location)).walk_revisions()}
         if current is not None and current not in known:
             raise SchemaTooNewError(
@@ -366,11 +423,41 @@ class Migrations:
             )
 
     def upgrade(self, engine: Engine) -> str:
-        """Apply every pending migration; refuse a database newer than the code."""
-        self.current_not_too_new(engine)
-        with translate_errors(), engine.begin() as conn:
-            command.upgrade(self.config(conn), "head")
+        """Apply every pending migration; refuse a database newer than the code.
+
+        One transaction that first takes the migration lock (:func:`lock_migrations`), then
+        reads the version: two upgrades at once (two deploys, a Job retried while the first
+        still runs) serialize, and the second finds the schema current and does nothing.
+        """
+        try:
+            with translate_errors(), engine.begin() as conn:
+                lock_migrations(conn)
+                self._not_too_new(self.database_revision(conn))
+                command.upgrade(self.config(conn), "head")
+        except exc.IntegrityError as err:  # a catalog clash: DDL run by something else at once
+            log.debug("migration failed: %s", redact_url(str(err)))
+            raise UnavailableError("the migration clashed with a concurrent schema change "
+                                   f"({self.version_table}); run it again") from None
         return self.code_head()
+
+
+# The first key of the PostgreSQL advisory lock every upgrade takes ("ob" "mi": outbox
+# migrations); the second is the schema's, so databases and schemas migrate independently.
+MIGRATION_LOCK_KEY = 0x6F62_6D69
+
+
+def lock_migrations(conn: Connection) -> None:
+    """Hold the migration lock until ``conn``'s transaction ends. PostgreSQL: an advisory
+    transaction lock per schema (another upgrade waits here, and says so at INFO). SQLite:
+    nothing to do, ``BEGIN IMMEDIATE`` already holds the database's one write lock."""
+    if not is_postgres(conn):
+        return
+    key = text("SELECT pg_try_advisory_xact_lock(:key, hashtext(coalesce(current_schema(), '')))")
+    if conn.execute(key, {"key": MIGRATION_LOCK_KEY}).scalar_one():
+        return
+    log.info("another migration of this schema is running: waiting for it to finish")
+    conn.execute(text("SELECT pg_advisory_xact_lock(:key, hashtext(coalesce(current_schema(), "
+                      "'')))"), {"key": MIGRATION_LOCK_KEY})
 
 
 def run_migrations(context: Any, target_metadata: MetaData) -> None:

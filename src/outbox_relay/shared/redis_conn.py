@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Iterator
 from typing import Any, cast
@@ -14,7 +15,12 @@ from redis.cluster import ClusterNode, RedisCluster
 from redis.exceptions import NoPermissionError
 from redis.retry import Retry
 
-from outbox_relay.shared.errors import CannotConnectError, ConfigError, UnavailableError
+from outbox_relay.shared.errors import (
+    CannotConnectError,
+    ConfigError,
+    OutboxError,
+    UnavailableError,
+)
 from outbox_relay.shared.redaction import redact_url
 
 log = logging.getLogger(__name__)
@@ -43,7 +49,7 @@ def connect_redis(url: str, *, timeout_s: float = 5.0) -> redis.Redis:
     if scheme in CLUSTER_SCHEMES:
         return cluster_client(url, timeout_s=timeout_s)
     try:
-        return redis.Redis.from_url(
+        client = redis.Redis.from_url(
             url,
             socket_timeout=timeout_s,
             socket_connect_timeout=min(timeout_s, 5.0),
@@ -52,6 +58,74 @@ def connect_redis(url: str, *, timeout_s: float = 5.0) -> redis.Redis:
         )
     except ValueError as err:
         raise ConfigError(f"invalid Redis URL {redact_url(url)}") from err
+    return _locate_errors(client)
+
+
+def _locate_errors(client: redis.Redis) -> redis.Redis:
+    """Have every redis-py error raised on ``client``'s connections say where it happened, so
+    our messages name the server (:func:`where`). The pool makes its connections lazily:
+    swapping its connection class before the first command covers all of them."""
+    pool = client.connection_pool
+    pool.connection_class = _located(pool.connection_class)
+    return client
+
+
+@functools.cache
+def _located(base: type[Any]) -> type[Any]:
+    """redis-py's connection class ``base``, tagging the errors its connect, send and read
+    raise with ``redis_where`` (``host:port/db``; never the password). A plain ``try`` costs
+    nothing until something fails: ``read_response`` runs once per command."""
+
+    class Located(base):  # type: ignore[misc]
+        def connect(self, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return super().connect(*args, **kwargs)
+            except redis.RedisError as err:
+                _tag(err, self)
+                raise
+
+        def send_packed_command(self, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return super().send_packed_command(*args, **kwargs)
+            except redis.RedisError as err:
+                _tag(err, self)
+                raise
+
+        def read_response(self, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return super().read_response(*args, **kwargs)
+            except redis.RedisError as err:
+                _tag(err, self)
+                raise
+
+    Located.__name__ = Located.__qualname__ = f"Located{base.__name__}"
+    return Located
+
+
+def _tag(err: redis.RedisError, connection: Any) -> None:
+    if not hasattr(err, "redis_where"):
+        err.redis_where = _address(connection)  # type: ignore[attr-defined]
+
+
+def _address(connection: Any) -> str:
+    """``host:port/db`` of a redis-py connection (``path/db`` for a Unix socket, the service
+    name for a Sentinel-managed one, whose address changes with failovers)."""
+    service = getattr(getattr(connection, "connection_pool", None), "service_name", None)
+    if isinstance(service, str):
+        base = f"the master of Sentinel service {service}"
+    elif path := getattr(connection, "path", ""):
+        base = str(path)
+    else:
+        host = str(getattr(connection, "host", "?"))
+        base = f"[{host}]:{connection.port}" if ":" in host else f"{host}:{connection.port}"
+    return f"{base}/{getattr(connection, 'db', 0)}"
+
+
+def where(err: BaseException) -> str:
+    """Where a redis-py error happened: ``Redis at host:port/db``, or ``Redis`` when unknown
+    (a Redis Cluster client, a test double)."""
+    address = getattr(err, "redis_where", None)
+    return f"Redis at {address}" if address else "Redis"
 
 
 def _userinfo_in_netloc(url: str) -> bool:
@@ -92,7 +166,7 @@ def sentinel_master(url: str, *, timeout_s: float = 5.0) -> redis.Redis:
         ssl=parts.scheme.lower().startswith("rediss"), health_check_interval=30,
         retry_on_timeout=False, **timeouts,
     )
-    return client
+    return _locate_errors(client)
 
 
 def cluster_client(url: str, *, timeout_s: float = 5.0) -> redis.Redis:
@@ -127,7 +201,8 @@ def cluster_client(url: str, *, timeout_s: float = 5.0) -> redis.Redis:
                 retry=Retry(ExponentialWithJitterBackoff(base=0.05, cap=1.0), 3),
             )
     except redis.exceptions.RedisClusterException as err:
-        raise UnavailableError("no node of the Redis Cluster answered") from err
+        nodes = ", ".join(f"{host}:{port}" for host, port in addresses)
+        raise UnavailableError(f"no node of the Redis Cluster ({nodes}) answered") from err
     return cast(redis.Redis, cluster)
 
 
@@ -183,37 +258,69 @@ def _credentials(parts: SplitResult) -> dict[str, Any]:
 
 @contextlib.contextmanager
 def translate_redis_errors() -> Iterator[None]:
-    """Map connection problems and timeouts to :class:`UnavailableError`.
+    """Map connection problems and timeouts to :class:`UnavailableError`, and what retrying
+    cannot fix (credentials, an unknown host or database number, a server that is not Redis)
+    to :class:`CannotConnectError`; each message says where (:func:`where`).
 
     A timeout is an *unknown outcome*: the command may or may not have run. Callers that write
     must be able to tell afterwards (the relay does, by explicit entry ids).
     """
     try:
         yield
-    except redis.AuthenticationError as err:  # a ConnectionError subclass: catch it first
-        # Retrying cannot fix a wrong password: exit and say so (CLI status 2).
-        raise CannotConnectError("Redis refused our credentials (password hidden)") from err
-    except (redis.ConnectionError, redis.TimeoutError, redis.exceptions.ClusterError,
-            redis.exceptions.TryAgainError, redis.exceptions.SlotNotCoveredError) as err:
+    except redis.RedisError as err:
+        translated = as_outbox_error(err)
+        if translated is None:
+            raise
+        raise translated from err
+
+
+def as_outbox_error(err: redis.RedisError) -> OutboxError | None:
+    """Our error for a redis-py error, or ``None`` for a command's own refusal (``WRONGTYPE``
+    …) that the caller must handle. The CLI uses it on whatever reaches it unwrapped."""
+    at = where(err)
+    if isinstance(err, redis.AuthenticationError):  # a ConnectionError subclass: check it first
+        # Retrying cannot fix a wrong password: exit and say so (CLI status 2). Where is in
+        # the debug log: the message stays the one operators and alerts already match.
+        log.debug("redis credentials refused (%s)", at)
+        return CannotConnectError("Redis refused our credentials (password hidden)")
+    if isinstance(err, (redis.ConnectionError, redis.TimeoutError,
+                        redis.exceptions.ClusterError, redis.exceptions.TryAgainError,
+                        redis.exceptions.SlotNotCoveredError)):
         # ClusterError: the cluster is down or redirections ran out (a failover under way).
         text = redact_url(str(err))
-        log.debug("redis error: %s", text)
+        log.debug("redis error (%s): %s", at, text)
         if any(m in text.lower() for m in ("name or service not known", "nodename nor servname")):
             # "Error -2 connecting to nosuchhost:6379. Name or service not known."
-            raise CannotConnectError(f"cannot connect to Redis: {text[:200]}") from err
-        raise UnavailableError("Redis is unavailable or timed out") from err
-    except NoPermissionError as err:  # redis-py strips the "NOPERM" prefix from its text
-        raise UnavailableError("Redis refused the command for our user (ACL)") from err
-    except redis.ResponseError as err:
-        # a pipeline wraps a command's error: "Command # 1 (XCLAIM …) of pipeline caused error: …"
-        text = str(err).split(" of pipeline caused error: ", 1)[-1]
-        # Redis 7.0 reports an ACL refusal inside a script without the NOPERM code.
-        if text.startswith(("NOPERM", "NOAUTH", "WRONGPASS")) or (
-            "can't run this command" in text or "has no permissions" in text
-        ):
-            raise UnavailableError("Redis refused the command for our user (ACL)") from err
-        if text.startswith("NOGROUP"):
-            raise UnavailableError("the consumer group is missing (did Redis lose data?)") from err
-        if text.startswith(("LOADING", "BUSY ", "MASTERDOWN", "READONLY")):
-            raise UnavailableError("Redis is not ready (loading, busy or read-only)") from err
-        raise
+            return CannotConnectError(f"cannot connect to {at}: {text[:200]}")
+        return UnavailableError(f"{at} is unavailable or timed out")
+    if isinstance(err, redis.exceptions.InvalidResponse):  # "got 'H' as reply type byte"
+        log.debug("redis protocol error (%s): %s", at, redact_url(str(err)))
+        server = at.replace("Redis at ", "the server at ", 1) if at != "Redis" else "the server"
+        return CannotConnectError(f"{server} answered, but not in the Redis protocol: is it "
+                                  "Redis? (check OUTBOX_REDIS_URL's host and port)")
+    if isinstance(err, NoPermissionError):  # redis-py strips the "NOPERM" prefix from its text
+        return UnavailableError(f"{at} refused the command for our user (ACL)")
+    if isinstance(err, redis.ResponseError):
+        return _response_error(err, at)
+    return None
+
+
+def _response_error(err: redis.ResponseError, at: str) -> OutboxError | None:
+    # a pipeline wraps a command's error: "Command # 1 (XCLAIM …) of pipeline caused error: …"
+    text = str(err).split(" of pipeline caused error: ", 1)[-1]
+    # Redis 7.0 reports an ACL refusal inside a script without the NOPERM code.
+    if text.startswith(("NOPERM", "NOAUTH", "WRONGPASS")) or (
+        "can't run this command" in text or "has no permissions" in text
+    ):
+        return UnavailableError(f"{at} refused the command for our user (ACL)")
+    if text.startswith("NOGROUP"):
+        return UnavailableError(f"the consumer group is missing on {at} (did Redis lose "
+                                "data?)")
+    if text.startswith(("LOADING", "BUSY ", "MASTERDOWN", "READONLY")):
+        return UnavailableError(f"{at} is not ready (loading, busy or read-only)")
+    if "DB index is out of range" in text or "invalid DB index" in text:
+        # SELECT at connect: the URL's /N is not below the server's `databases` setting
+        return CannotConnectError(f"{at}: no such database number (the server answered "
+                                  f"{text!r}; its `databases` setting bounds it, 16 by "
+                                  "default)")
+    return None
