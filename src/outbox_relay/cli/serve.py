@@ -46,7 +46,7 @@ def main(args: argparse.Namespace) -> int:
 
     settings = options.load_settings(ServeSettings, args)
     tokens = auth.api_tokens(settings)
-    engine = db.make_engine(settings.database_url)
+    engine = db.make_engine(settings.database_url, create=False)  # only `db upgrade` creates
     patience = settings.startup_timeout_s
     until_available(lambda: runs_schema.check_schema(engine), "schema check", patience)
     store = store_for(settings, source="outbox-api")

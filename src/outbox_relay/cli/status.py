@@ -8,7 +8,8 @@ from typing import Any
 import redis
 from sqlalchemy import Engine, func, select
 
-from outbox_relay.consumer import ownership, streams
+from outbox_relay.consumer import inbox, ownership, streams
+from outbox_relay.relay import backlog as relay_backlog
 from outbox_relay.shared import keys, partition_counts
 from outbox_relay.shared.db import now_ms, translate_errors
 from outbox_relay.shared.redis_conn import node_of, translate_redis_errors
@@ -18,7 +19,8 @@ from outbox_relay.shared.schema import outbox, relay_leases, stream_groups, stre
 def collect(engine: Engine, client: redis.Redis, prefix: str) -> dict[str, Any]:
     """Outbox backlog, oldest undelivered age, per stream: length, groups (pending, lag, the
     consumer owning the partition stream and its epoch), dead letters; and every relay
-    partition lease and consumer lease (owner ``None`` when free or expired)."""
+    partition lease and consumer lease (owner ``None`` when free or expired); per consumer
+    group, the entries waiting for a retry (:func:`retries`)."""
     with translate_errors(), engine.connect() as conn:
         backlog, oldest = conn.execute(
             select(func.count(), func.min(outbox.c.created_at_ms)).where(
@@ -65,8 +67,37 @@ def collect(engine: Engine, client: redis.Redis, prefix: str) -> dict[str, Any]:
         },
         "streams": streams,
         "relay_leases": _relay_leases(engine),
+        "relay_refused": relay_backlog.refused(engine),  # streams backing off (relay/refusals.py)
         "consumer_leases": consumer_leases,
+        "retries": retries(engine),
     }
+
+
+def retries(engine: Engine) -> list[dict[str, Any]]:
+    """Per consumer group, its entries waiting for a retry (a failing handler's, with a
+    durable next attempt: consumer/retry.py): how many, how long ago the oldest first failed,
+    how soon the next attempt is due (negative: overdue, e.g. no consumer of the group is
+    running), the most attempts any has had, and how many by last error and by stream key."""
+    now = now_ms()
+    groups: dict[str, dict[str, Any]] = {}
+    for row in inbox.retrying(engine):
+        g = groups.setdefault(row["group"], {
+            "group": row["group"], "entries": 0, "oldest_first_failed_ms": row[
+                "oldest_first_failed_ms"], "next_attempt_ms": row["next_attempt_ms"],
+            "max_attempts": 0, "errors": Counter(), "streams": Counter()})
+        g["entries"] += row["count"]
+        g["oldest_first_failed_ms"] = min(g["oldest_first_failed_ms"],
+                                          row["oldest_first_failed_ms"])
+        g["next_attempt_ms"] = min(g["next_attempt_ms"], row["next_attempt_ms"])
+        g["max_attempts"] = max(g["max_attempts"], row["max_attempts"])
+        g["errors"][row["last_error"] or "?"] += row["count"]
+        g["streams"][row["stream_key"]] += row["count"]
+    return [{"group": g["group"], "entries": g["entries"],
+             "oldest_first_failure_age_s": round((now - g["oldest_first_failed_ms"]) / 1000, 3),
+             "next_attempt_in_s": round((g["next_attempt_ms"] - now) / 1000, 3),
+             "max_attempts": g["max_attempts"], "errors": dict(g["errors"]),
+             "streams": dict(sorted(g["streams"].items()))}
+            for g in groups.values()]
 
 
 def _relay_leases(engine: Engine) -> list[dict[str, Any]]:
@@ -155,6 +186,8 @@ def render(report: dict[str, Any]) -> str:
     if by_node:  # Redis Cluster: how the partition streams spread over the masters
         lines.append("streams per cluster master: " + ", ".join(
             f"{node} {n}" for node, n in sorted(by_node.items())))
+    lines += _render_retries(report.get("retries"))
+    lines += relay_backlog.refused_lines(report.get("relay_refused"))
     relays = report.get("relay_leases") or []
     if relays:
         lines.append("relay partitions: " + ", ".join(
@@ -165,3 +198,20 @@ def render(report: dict[str, Any]) -> str:
         lines += [f"  {o['group']} {o['stream']}:{o['partition']} {o['owner'] or '(free)'} "
                   f"(epoch {o['epoch']})" for o in leases]
     return "\n".join(lines)
+
+
+def _render_retries(groups: list[dict[str, Any]] | None) -> list[str]:
+    """One line per group with entries waiting for a retry (None: an older report)."""
+    if groups is None:
+        return []
+    if not groups:
+        return ["retrying: none (no handler failure waiting for its next attempt)"]
+    lines = ["retrying (entries of a failing handler waiting for their next attempt):"]
+    for g in groups:
+        due = g["next_attempt_in_s"]
+        when = f"next attempt in {due}s" if due >= 0 else f"next attempt overdue by {-due}s"
+        errors = ", ".join(f"{e} {n}" for e, n in sorted(g["errors"].items()))
+        lines.append(f"  {g['group']}: {g['entries']} entries, oldest first failure "
+                     f"{g['oldest_first_failure_age_s']}s ago, {when}, up to "
+                     f"{g['max_attempts']} attempts ({errors})")
+    return lines

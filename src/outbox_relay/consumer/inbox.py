@@ -522,11 +522,17 @@ def retrying(
     """The entries waiting for a retry (``outbox_consumer_retries``), by group, stream key and
     last error: ``count``, ``oldest_first_failed_ms`` (the earliest first failure),
     ``next_attempt_ms`` (the soonest), ``max_attempts``. Only ``group``'s and only those of
-    ``stream_keys`` when given. For ``outbox status`` and the consumer's retry gauges."""
+    ``stream_keys`` when given. For ``outbox status`` and the consumer's retry gauges.
+
+    A row whose event has a receipt is left out: the event is settled, and only a path other
+    than the claim (an entry that vanished while pending: a ``lost`` receipt) left it behind."""
     r = consumer_retries.c
+    settled = select(inbox.c.event_id).where(inbox.c.group_name == r.group_name,
+                                             inbox.c.event_id == r.event_id).exists()
     query = (select(r.group_name, r.stream_key, r.last_error, func.count(),
                     func.min(r.first_failed_at_ms), func.min(r.next_attempt_at_ms),
                     func.max(r.attempts))
+             .where(~settled)
              .group_by(r.group_name, r.stream_key, r.last_error)
              .order_by(r.group_name, r.stream_key, r.last_error))
     if group is not None:

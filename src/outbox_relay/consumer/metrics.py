@@ -5,14 +5,16 @@ Three kinds, by what they cost:
 - Counters the consumer already keeps (:class:`ConsumerStats`, group hygiene, retention, the
   app's own such as the run worker and sweeper through ``Handlers.observe``), read at scrape
   time (:class:`shared.metrics.StatsCollector`).
-- On the hot path: ``outbox_consumer_outcomes_total{group,type,outcome,reason}`` (counted per
-  batch in a dict, then one ``inc`` per label set), the claim transaction's duration (one
-  observation per batch) and each handler call's duration by event type (one observation
-  per event, from a wrapper :meth:`consumer.handlers.Handlers.instrument` installs).
-- Gauges read from Redis at scrape time, in one pipelined round trip over the partition
-  streams this consumer owns (so summing over the consumers of a group counts each stream
-  once): pending entries (PEL) and the age of the oldest, the group's lag, the length of
-  each dead-letter stream, and the leases held.
+- On the hot path: ``outbox_consumer_outcomes_total{group,type,outcome,reason}`` and
+  ``outbox_consumer_retries_total{group,type,reason}`` (counted per batch in a dict, then one
+  ``inc`` per label set), the claim transaction's duration (one observation per batch) and
+  each handler call's duration by event type (one observation per event, from a wrapper
+  :meth:`consumer.handlers.Handlers.instrument` installs).
+- Gauges read at scrape time over the partition streams this consumer owns (so summing over
+  the consumers of a group counts each stream once): from Redis, in one pipelined round
+  trip, pending entries (PEL) and the age of the oldest, the group's lag, the length of
+  each dead-letter stream, and the leases held; from the database, in one query, the
+  entries waiting for a retry and the age of the oldest one's first failure.
 
 Labels stay bounded: group, stream, partition, outcome, reason (our codes, a handler's error
 class) and type, which is the event type when a handler is registered for it by name, ``*``
@@ -26,7 +28,7 @@ import functools
 import logging
 import time
 from collections import Counter as Tally
-from collections.abc import Iterable, Iterator
+from collections.abc import Generator, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import redis
@@ -35,9 +37,9 @@ from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from sqlalchemy import Connection
 
-from outbox_relay.consumer import streams
+from outbox_relay.consumer import inbox, streams
 from outbox_relay.consumer.handlers import Handler
-from outbox_relay.consumer.ordering import DEAD, DUPLICATE, Outcome
+from outbox_relay.consumer.ordering import DEAD, DUPLICATE, FAILED, Outcome
 from outbox_relay.shared import keys
 from outbox_relay.shared.db import now_ms
 from outbox_relay.shared.envelope import Event
@@ -72,7 +74,8 @@ CONSUMER_NAMES = {
 }
 # Exported with their event type by outbox_consumer_outcomes_total instead.
 OUTCOME_FIELDS = frozenset({"applied", "duplicates", "superseded", "dead", "out_of_order",
-                            "failed", "waiting", "resurrected"})
+                            "failed", "waiting", "resurrected",
+                            "retried"})  # outbox_consumer_retries_total{group,type,reason}
 
 HYGIENE_NAMES = {
     "consumers_removed": ("consumers_removed",
@@ -118,8 +121,14 @@ class ConsumerMetrics:
             f"{NAMESPACE}_handler_duration_seconds",
             "Duration of one handler call, by event type, in seconds.",
             ["group", "type"], buckets=SECONDS_BUCKETS, registry=self.registry)
+        retries = Counter(
+            f"{NAMESPACE}_retries",
+            "Failures of a handler given a later attempt (not dead-lettered), by event type; "
+            "reason: the failing handler's error.",
+            ["group", "type", "reason"], registry=self.registry)
         self._group = group
         self._outcomes = LabelCache(outcomes)
+        self._retries = LabelCache(retries)
         self._claim = claim.labels(group)
         self._handler = LabelCache(handler)
         self._types = frozenset(consumer.handlers)
@@ -142,12 +151,17 @@ class ConsumerMetrics:
         set, one observation)."""
         self._claim.observe(seconds)
         tally: Tally[tuple[str, str, str]] = Tally()
+        retried: Tally[tuple[str, str]] = Tally()
         for o in outcomes:
             reason = "" if o.outcome == DUPLICATE or o.error is None else o.error
             tally[(o.delivery.event.type, o.outcome, reason)] += 1
+            if o.outcome == FAILED and o.retry_at_ms is not None:
+                retried[(o.delivery.event.type, reason)] += 1
         for (event_type, outcome, reason), count in tally.items():
             self._outcomes(self._group, self.type_label(event_type), outcome,
                            reason if outcome != DEAD else reason or DEAD).inc(count)
+        for (event_type, reason), count in retried.items():
+            self._retries(self._group, self.type_label(event_type), reason).inc(count)
 
     def _timed(self, event_type: str, handler: Handler) -> Handler:
         child = self._handler(self._group, event_type)
@@ -174,7 +188,8 @@ def _same(value: object) -> object:
 
 
 class StreamsCollector(Collector):
-    """Gauges read from Redis when scraped, over the partition streams this consumer owns."""
+    """Gauges read from Redis and the database when scraped, over the partition streams this
+    consumer owns."""
 
     def __init__(self, consumer: Consumer) -> None:
         self.consumer = consumer
@@ -190,12 +205,56 @@ class StreamsCollector(Collector):
                                    "Partition streams this consumer owns.", labels=["group"])
         leases.add_metric([group], len(owned))
         yield leases
+        redis_up = yield from self._redis_gauges(owned)
+        database_up = yield from self._retry_gauges(owned)
+        yield scrape_up(NAMESPACE, {"redis": redis_up, "database": database_up},
+                        {"group": group})
+
+    def _retry_gauges(self, owned: list[str]) -> Generator[Metric, None, bool]:
+        """Per owned stream, the group's entries waiting for a retry and the age of the oldest
+        one's first failure (0 when none), from ``outbox_consumer_retries``; returns whether
+        the database answered."""
+        c = self.consumer
+        group = c.settings.group
+        try:
+            rows = inbox.retrying(c.engine, group, owned)  # owning none: still a real read
+        except OutboxError as err:
+            log.debug("retry gauges skipped: %s", err)
+            return False
+        labels = ["group", "stream", "partition"]
+        waiting = GaugeMetricFamily(f"{NAMESPACE}_retrying_entries",
+                                    "Entries of the group whose handler failed and that wait "
+                                    "for their next attempt (consumer/retry.py).", labels=labels)
+        oldest = GaugeMetricFamily(f"{NAMESPACE}_oldest_retry_age_seconds",
+                                   "Seconds since the first failure of the oldest entry "
+                                   "waiting for a retry (0 when none).", labels=labels)
+        count: Tally[str] = Tally()
+        first: dict[str, int] = {}
+        for row in rows:
+            key = row["stream_key"]
+            count[key] += row["count"]
+            first[key] = min(first.get(key, row["oldest_first_failed_ms"]),
+                             row["oldest_first_failed_ms"])
+        now = now_ms()
+        for key in owned:
+            stream, partition = c.leases.ids[key]
+            values = [group, stream, str(partition)]
+            waiting.add_metric(values, count[key])
+            oldest.add_metric(values, max(now - first[key], 0) / 1000 if key in first else 0)
+        yield waiting
+        yield oldest
+        return True
+
+    def _redis_gauges(self, owned: list[str]) -> Generator[Metric, None, bool]:
+        """The Redis gauges of the owned streams (module docstring); returns whether Redis
+        answered."""
+        c = self.consumer
+        group = c.settings.group
         try:
             replies = _stream_replies(c, owned)
         except OutboxError as err:
             log.debug("stream gauges skipped: %s", err)
-            yield scrape_up(NAMESPACE, {"redis": False}, {"group": group})
-            return
+            return False
         labels = ["group", "stream", "partition"]
         pending = GaugeMetricFamily(f"{NAMESPACE}_pending_entries",
                                     "Entries delivered to the group and not yet acknowledged "
@@ -235,7 +294,7 @@ class StreamsCollector(Collector):
             if isinstance(stream_len, int):
                 length.add_metric([stream, str(partition)], stream_len)
         yield from (pending, oldest, lag, dead, length)
-        yield scrape_up(NAMESPACE, {"redis": True}, {"group": group})
+        return True
 
 
 def _stream_replies(

@@ -51,7 +51,7 @@ class Retry:
 
     first_delay_s: float = 1.0
     factor: float = 2.0
-    cap_s: float = 300.0
+    cap_s: float = 60.0
     jitter: float = 0.2
     horizon_s: float = 6 * 3600.0
     permanent: Callable[[BaseException], bool] = field(default=_never, compare=False)

@@ -255,7 +255,8 @@ class ConsumerSettings(DaemonSettings, RetentionSettings):
         2.0, ge=1, description="Default retry policy: each further wait is this many times longer."
     )
     retry_max_delay_s: Duration = Field(
-        300.0, description="Default retry policy: the longest wait between two attempts."
+        60.0, description="Default retry policy: the longest wait between two attempts (so an "
+        "outage is over for a handler at most this long after it ends)."
     )
     retry_jitter: float = Field(
         0.2, ge=0, le=1, description="Default retry policy: each wait is spread by +/- this share."
