@@ -53,6 +53,7 @@ common = settings(max_examples=60, deadline=None,
 @example(password=f"pw@{MARKERS[0]}x{MARKERS[1]}")
 @example(password=f"a@{MARKERS[0]}/{MARKERS[1]}")
 @example(password=f"a@{MARKERS[0]}#{MARKERS[1]}")
+@example(password=f"Sekr1t?@{MARKERS[0]}{MARKERS[1]}")
 def test_redis_url_password_never_printed(password: str, tmp_path_factory: pytest.TempPathFactory,
                                           capsys: pytest.CaptureFixture[str]) -> None:
     database = tmp_path_factory.mktemp("db") / "outbox.db"
@@ -68,6 +69,7 @@ def test_redis_url_password_never_printed(password: str, tmp_path_factory: pytes
 @common
 @given(password=passwords())
 @example(password=f"pw@{MARKERS[0]}{MARKERS[1]}")
+@example(password=f"Sekr1t?@{MARKERS[0]}{MARKERS[1]}")  # a "?" before the "@": found by hypothesis
 def test_database_url_password_never_printed(password: str,
                                              capsys: pytest.CaptureFixture[str]) -> None:
     url = f"postgresql://postgres:{password}@127.0.0.1:1/x"

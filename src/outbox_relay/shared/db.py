@@ -206,8 +206,10 @@ def _custom_plans(engine: Engine) -> None:
 def _url_errors(url: str) -> Iterator[None]:
     scheme, _, rest = url.partition("://")
     userinfo = rest.split("?", 1)[0].rpartition("@")[0]
-    if not scheme.startswith("sqlite") and ":" in userinfo and "@" in userinfo:
+    if not scheme.startswith("sqlite") and ((":" in userinfo and "@" in userinfo)
+                                            or "@" in (_host_of(url) or "")):
         # SQLAlchemy ends the password at its first "@": the rest would be taken for the host
+        # (also when a "?" before that "@" looked like the start of the query)
         raise ConfigError(f"invalid database URL {redact_url(url)}: percent-encode the "
                           "password (an '@' in it is %40)")
     try:
@@ -221,6 +223,14 @@ def _url_errors(url: str) -> Iterator[None]:
     except (exc.ArgumentError, ValueError) as err:  # ValueError: a bad port
         log.debug("database URL error: %s", redact_url(str(err)))
         raise ConfigError(f"invalid or unsupported database URL {redact_url(url)}") from None
+
+
+def _host_of(url: str) -> str | None:
+    """The host SQLAlchemy reads from ``url`` (None when it cannot parse it)."""
+    try:
+        return make_url(url).host
+    except (exc.ArgumentError, ValueError):
+        return None
 
 
 # Connection failures retrying cannot fix (matched on the driver's text, lower case).
