@@ -376,7 +376,8 @@ def _classify(sub: list[OutboxRow], answer: Any, verdicts: Verdicts) -> None:
                 verdicts.stream_top = top
         else:
             code = error_code(status.removeprefix("failed:"))
-            log.warning("append of event %s failed: %s", row.event_id, code,
+            # DEBUG: the stream's backoff logs one WARNING per change (relay/refusals.py)
+            log.debug("append of event %s failed: %s", row.event_id, code,
                         extra={**_fields_of(row), "error": code})
             verdicts.failed.append((row.seq, code))
 
@@ -407,7 +408,7 @@ def _refused_call(sub: list[OutboxRow], err: Exception, verdicts: Verdicts) -> N
     code = error_code(err)
     if any(r.retry for r in sub):
         raise UnavailableError(f"Redis refused the append of a retried batch ({code})")
-    log.warning("append of %d events refused: %s", len(sub), code,
+    log.debug("append of %d events refused: %s", len(sub), code,
                 extra={**_fields_of(sub[0]), "error": code, "count": len(sub)})
     verdicts.failed.append((sub[0].seq, code))
     verdicts.not_appended.extend(r.seq for r in sub[1:])

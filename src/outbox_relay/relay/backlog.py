@@ -40,3 +40,31 @@ def backlog(engine: Engine) -> list[PartitionBacklog]:
     with translate_errors(), engine.connect() as conn:
         rows = conn.execute(query).all()
     return [PartitionBacklog(r[0], int(r[1]), int(r[2]), int(r[3])) for r in rows]
+
+
+REFUSALS = ("redis_oom", "redis_acl", "redis_wrongtype", "redis_not_ready", "redis_error")
+"""The codes of an append Redis refused (relay/append.py ``error_code``): the rows' stream
+backs off (relay/refusals.py) until Redis accepts it."""
+
+
+def refused(engine: Engine) -> list[dict[str, object]]:
+    """Per (stream, partition, reason): undelivered rows whose last append Redis refused, and
+    the most attempts any has had (``outbox status``: the streams backing off, and why)."""
+    query = (
+        select(outbox.c.stream, outbox.c.partition, outbox.c.last_error, func.count(),
+               func.max(outbox.c.attempts))
+        .where(outbox.c.delivered_at_ms.is_(None), outbox.c.last_error.in_(REFUSALS))
+        .group_by(outbox.c.stream, outbox.c.partition, outbox.c.last_error)
+        .order_by(outbox.c.stream, outbox.c.partition)
+    )
+    with translate_errors(), engine.connect() as conn:
+        rows = conn.execute(query).all()
+    return [{"stream": r[0], "partition": int(r[1]), "reason": r[2], "rows": int(r[3]),
+             "max_attempts": int(r[4])} for r in rows]
+
+
+def refused_lines(report: list[dict[str, object]] | None) -> list[str]:
+    """The ``outbox status`` lines of :func:`refused` (none for an older report)."""
+    return [f"relay: stream {r['stream']}:{r['partition']} refused by Redis ({r['reason']}): "
+            f"{r['rows']} rows wait, retried with backoff (up to {r['max_attempts']} attempts)"
+            for r in report or []]

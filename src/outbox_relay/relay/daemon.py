@@ -11,7 +11,10 @@ the one after the batch in flight in the same transaction.
 A batch that does not land whole (a gap, a refusal) ends the partition's round: the batch
 taken after it is never appended, and the next round takes again from the lowest pending
 row, so no row of an aggregate overtakes an earlier one. Failures of Redis or the database back
-off exponentially with jitter; nothing is marked while the outcome is unknown.
+off exponentially with jitter; nothing is marked while the outcome is unknown. A stream whose
+append Redis refuses (OOM, ACL …) backs off alone, its rows not taken until its next attempt
+(relay/refusals.py); a gap has the repair check look at its stream, whose top may be a foreign
+entry (relay/repair.py).
 ``SIGTERM``/``SIGINT`` let the in-flight round finish, release the leases, exit 0.
 """
 
@@ -30,7 +33,7 @@ from typing import TYPE_CHECKING
 import redis
 from sqlalchemy import Engine
 
-from outbox_relay.relay import append, outgoing, repair, store, trim
+from outbox_relay.relay import append, outgoing, refusals, repair, store, trim
 from outbox_relay.relay.prune import PruneStats
 from outbox_relay.relay.wakeup import Wakeup
 from outbox_relay.shared import faults, keys, partition_counts
@@ -80,6 +83,10 @@ class Relay:
         self.stats = RelayStats()
         self.wakeup = Wakeup(settings.poll_min_ms, settings.poll_max_ms)
         self.repairer = repair.Repairer(settings, engine, client, self.node_id)
+        # Streams whose append Redis refused wait with backoff, alone (relay/refusals.py).
+        self.refusals = refusals.StreamBackoff(settings.refusal_first_delay_s,
+                                               settings.refusal_max_delay_s)
+        self._waiting: dict[int, frozenset[str]] = {}  # this round's backing-off streams
         self._stop = threading.Event()
         self._next_lease_check = 0.0
         self._backoff = Backoff()
@@ -205,8 +212,9 @@ class Relay:
         if not epochs or self._stop.is_set():
             return False
         s = self.settings
+        self._waiting = self.refusals.waiting()
         taken, lost = store.take_batches(self.engine, self.node_id, epochs, s.batch_size,
-                                         s.lease_ttl_ms, now_ms())
+                                         s.lease_ttl_ms, now_ms(), self._waiting)
         for partition in lost:
             self._lease_lost(partition, epochs[partition])
         if not taken:
@@ -229,6 +237,7 @@ class Relay:
         log.warning("lost the lease of partition %s", partition,
                     extra={"node": self.node_id, "partition": partition, "epoch": epoch})
         self.leases.pop(partition, None)
+        self.refusals.forget_partition(partition)
 
     def _relay_round(
         self, taken: dict[int, list[outgoing.OutboxRow]], epochs: dict[int, int]
@@ -280,6 +289,7 @@ class Relay:
         for rows, v in landed:
             if rows[0].partition not in lost:
                 self._count(v, news[rows[0].partition])
+                self._note_streams(rows, v)
 
     def relay_partition(
         self, partition: int, epoch: int, first: list[outgoing.OutboxRow] | None = None
@@ -363,6 +373,7 @@ class Relay:
         rows = store.take_batch(
             self.engine, partition, self.node_id, epoch, s.batch_size, s.lease_ttl_ms, now_ms(),
             after_seq=after_seq, inflight=[r.seq for r in inflight or ()],
+            waiting=self._waiting.get(partition, frozenset()),
         )
         if rows:
             faults.point("relay.after_take")
@@ -424,9 +435,11 @@ class Relay:
             stream_top=verdicts.stream_top, take_after=take_after, batch_size=s.batch_size,
             inflight=[r.seq for r in inflight or ()], drop_recorded=not verdicts.complete,
             register=new_streams if verdicts.delivered else set(),
+            waiting=self._waiting.get(partition, frozenset()),
         )
         faults.point("relay.after_mark")
         self._count(verdicts, new_streams)
+        self._note_streams(rows, verdicts)
         if taken:
             faults.point("relay.after_take")
         return taken
@@ -440,6 +453,26 @@ class Relay:
         self.stats.ordering_gaps += len(verdicts.gaps)
         self.stats.failed += len(verdicts.failed)
         self.stats.not_appended += len(verdicts.not_appended)
+
+    def _note_streams(self, rows: list[outgoing.OutboxRow], verdicts: append.Verdicts) -> None:
+        """A settled batch's news per stream: a refusal starts or continues its backoff, an
+        append that landed whole ends it (relay/refusals.py); a gap asks the repair check to
+        look at the stream (its top may be foreign, relay/repair.py)."""
+        if not (verdicts.failed or verdicts.gaps or self.refusals.refused):
+            return  # the common case: nothing refused, now or before (the hot path stays flat)
+        by_seq = {r.seq: r for r in rows}
+        refused: dict[tuple[str, int], str] = {}
+        for seq, code in verdicts.failed:
+            row = by_seq[seq]
+            refused[(row.stream, row.partition)] = code
+        for seq in verdicts.gaps:
+            row = by_seq[seq]
+            self.repairer.check_soon((row.stream, row.partition))
+        landed = {(by_seq[seq].stream, by_seq[seq].partition) for seq, _ in verdicts.delivered}
+        for stream, code in refused.items():
+            self.refusals.outcome(stream, code)
+        for stream in landed - set(refused):
+            self.refusals.outcome(stream, None)
 
     def _refresh_leases(self) -> None:
         now = time.monotonic()

@@ -74,6 +74,10 @@ REPAIR_NAMES = {
     "repaired_entries": ("entries_refilled", "Entries put back into streams by repairs."),
     "changed": ("changed", "Repairs dropped because the stream changed meanwhile (retried)."),
     "fenced": ("fenced", "Repairs refused by the fence (a newer lease owns the stream)."),
+    "foreign_entries": ("foreign_entries", "Entries above every id the relay assigned (not "
+                        "the relay's) moved to the dead-letter stream as foreign_entry."),
+    "foreign_tops": ("foreign_tops", "Streams found with a last id above every id the relay "
+                     "assigned: foreign entries moved, or a bare last id set back or adopted."),
 }
 
 TRIM_NAMES = {
@@ -122,6 +126,7 @@ class RelayMetrics:
         self.registry.register(StatsCollector(
             NAMESPACE, lambda: discover(relay, KNOWN), periodic=lambda: relay.periodic))
         self.registry.register(BacklogCollector(relay))
+        self.registry.register(RefusalCollector(relay))
 
     def appended(self, rows: int, verdicts: Verdicts, seconds: float) -> None:
         """One append script call returned (hot path: keep it to a few observations)."""
@@ -133,6 +138,27 @@ class RelayMetrics:
     def append_failed(self, code: str, rows: int) -> None:
         """A batch's append raised: its ``rows`` have an unknown outcome (``code``)."""
         self._errors(code).inc(rows)
+
+
+class RefusalCollector(Collector):
+    """``outbox_relay_stream_backoff{stream,partition,reason}``: 1 while a stream backs off
+    after Redis refused its append (relay/refusals.py); the series goes when it recovers."""
+
+    def __init__(self, relay: Relay) -> None:
+        self.relay = relay
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        gauge = GaugeMetricFamily(
+            f"{NAMESPACE}_stream_backoff",
+            "1 while the stream's appends are refused by Redis and retried with backoff, "
+            "by reason (redis_oom, redis_acl, redis_wrongtype, redis_not_ready, redis_error).",
+            labels=["stream", "partition", "reason"])
+        for (stream, partition), r in sorted(dict(self.relay.refusals.refused).items()):
+            gauge.add_metric([stream, str(partition), r.reason], 1)
+        yield gauge
 
 
 class BacklogCollector(Collector):

@@ -166,14 +166,17 @@ def take_fresh(
     after_seq: int | None = None,
     inflight: Sequence[int] = (),
     force_write: bool = False,
+    waiting: frozenset[str] = frozenset(),
 ) -> list[OutboxRow]:
     """Select a new batch after the recorded ones and record it (one lease-row write).
 
     The record is the batch's runs of consecutive sendable rows, all under one ``ms``: a row
     held back splits a run, so a retry of the record (:func:`recorded_rows`) never includes it.
+    Rows of the streams in ``waiting`` (backing off after a refusal, relay/refusals.py) are
+    not taken and split runs the same way.
     """
     rows, runs = (
-        _select_sendable(conn, partition, batch_size, now, after_seq, inflight)
+        _select_sendable(conn, partition, batch_size, now, after_seq, inflight, waiting)
         if batch_size > 0 else ([], [])
     )
     new_last = last
@@ -211,6 +214,7 @@ def _select_sendable(
     now: int,
     after_seq: int | None,
     inflight: Sequence[int],
+    waiting: frozenset[str] = frozenset(),
 ) -> tuple[list[Any], list[tuple[int, int]]]:
     """Up to ``limit`` pending rows after ``after_seq`` that may go out now, and their runs.
 
@@ -221,7 +225,8 @@ def _select_sendable(
     is a delayed row (``available_at_ms`` after the database's ``now``), a row at or below
     ``after_seq`` that committed after the chain passed its seq (on PostgreSQL seq order is
     not commit order) or a row whose append failed; a held row blocks its own later rows in
-    turn. Rows without an aggregate id have no order to keep. Returns the rows (seq order)
+    turn. Rows without an aggregate id have no order to keep. Rows of a ``waiting`` stream
+    are skipped whole (an aggregate's rows all share one stream). Returns the rows (seq order)
     and the ``(first seq, last seq)`` runs of consecutive taken candidates.
     """
     taken: list[Any] = []
@@ -241,7 +246,11 @@ def _select_sendable(
         rows = conn.execute(_read_query(postgres, left_behind), params).all()
         for r in rows:
             key = (r[2], r[4], r[5])
-            if r[0] <= floor or r[13] > now:  # a blocker (the query returns no other rows)
+            if waiting and r[2] in waiting:  # its stream backs off: not taken, splits the run
+                if run is not None:
+                    runs.append(run)
+                    run = None
+            elif r[0] <= floor or r[13] > now:  # a blocker (the query returns no other rows)
                 blocked.add(key)
             elif r[5] is not None and key in blocked:  # held back
                 if run is not None:

@@ -25,6 +25,21 @@ there, or loses a consumer group:
   entries list onto the rebuilt stream and swaps it in. A group that had read past a restored
   entry is rewound to just before it, so the restored entries are delivered to it.
 
+**Foreign entries.** The relay assigns every id in a take that records it on the partition's
+lease row (``last_entry_id``) before any ``XADD``, so no entry it appended is above that id.
+An entry above it that no outbox row holds as its entry id was written by someone else (a
+careless ``XADD``, the maximum id, an id far in the future); one also ahead of the clock is
+above the ids the relay takes next (``<now ms>-<seq>``), so every append of the partition
+would be refused. The check reads the stream first and the lease row after, so an entry the
+relay appended is never taken for foreign. Foreign entries are moved (:func:`settle_foreign`,
+through the fenced :func:`rebuild`, which leaves them out) to the stream's dead-letter stream
+with reason ``foreign_entry`` and their original ids and fields, the stream's last id goes
+back to its own entries, and groups that had read past it are set back; appends resume at
+the next round. A stream whose last id alone was raised (its foreign entry deleted) is
+adopted when near the clock (:data:`ADOPT_AHEAD_MS`: ids continue above it), else set back
+the same way. Foreign entries behind the clock halt nothing (the relay's next ids pass
+them): they stay, for the consumers to dead-letter (invalid, unsigned) as before.
+
 Only rows at or above the stream's **trim floor** count, are compared and are put back: what
 :mod:`relay.trim` removed because every group had acknowledged it is never re-added. A stream
 whose every delivered entry was trimmed and then lost gets its last id raised back instead.
@@ -55,6 +70,11 @@ from outbox_relay.shared.signing import Signer
 log = logging.getLogger(__name__)
 
 REPAIR_INTERVAL_S = 5.0
+ADOPT_AHEAD_MS = 24 * 3_600_000
+"""A stream's last id raised above the relay's ids with no entry there (a foreign entry,
+deleted) is adopted, the relay's ids continuing above it, when at most this far ahead of the
+clock; beyond it, the ids could run out (``18446744073709551615-…``) or stay far in the future,
+so it is set back to the stream's own entries instead."""
 CHUNK = 500  # entries per script: a few ms of Redis time, far below any lease
 
 
@@ -70,13 +90,15 @@ class Finding:
     newest: str | None
     state: StreamState
     reason: str | None
+    dead: str = ""  # its dead-letter stream (shared/keys.py)
 
 
 @dataclass
 class RepairStats:
     """Counters since start: checks, streams found behind, entries appended back; rebuilds
     dropped because the stream changed meanwhile (retried at the next check); repairs refused
-    by the fence."""
+    by the fence; foreign entries moved to the dead-letter stream and foreign stream tops
+    set back or adopted."""
 
     checks: int = 0
     behind: int = 0
@@ -85,6 +107,8 @@ class RepairStats:
     repaired_entries: int = 0
     changed: int = 0
     fenced: int = 0
+    foreign_entries: int = 0
+    foreign_tops: int = 0
     findings: list[Finding] = field(default_factory=list)
 
 
@@ -105,7 +129,8 @@ def compare(
     elif state.entries_added < delivered:
         reason = "entries_lost"
     fence = keys.fence_key(prefix, stream, partition)
-    return Finding(stream, partition, key, fence, delivered, newest, state, reason)
+    dead = keys.dead_letter_key(prefix, stream, partition)
+    return Finding(stream, partition, key, fence, delivered, newest, state, reason, dead)
 
 
 def repair(
@@ -165,16 +190,21 @@ def refill(
 
 def rebuild(
     client: redis.Redis, finding: Finding, epoch: int, rows: Sequence[outgoing.OutboxRow],
-    maxlen: int = 0, chunk: int = CHUNK, signer: Signer | None = None,
+    maxlen: int = 0, chunk: int = CHUNK, signer: Signer | None = None, *,
+    ceiling: str | None = None,
 ) -> int | None:
     """Rebuild the stream from ``rows`` (all delivered, in id order) and its own entries.
 
     Returns the entries restored (not in the stream before), or None when the stream changed
     before the swap. With ``maxlen`` only the newest ``maxlen`` entries are restored; no entry
-    the stream holds is dropped.
+    the stream holds is dropped, but for those above a ``ceiling`` (foreign, see
+    :func:`settle_foreign`): the swap moves them to the dead-letter stream, and the stream's
+    last id goes back to its own entries (never below the newest delivered id).
     """
     before = streams.begin_rebuild(client, finding.key, finding.fence, epoch)
     current = streams.read_entries(client, finding.key, before.top, chunk) if before.exists else []
+    if ceiling is not None:
+        current = [e for e in current if not entry_ids.greater(e.id, ceiling)]
     merged = merge(rows, current, signer)
     cut = len(merged) - maxlen if maxlen else 0
     keep = [e for i, e in enumerate(merged) if i >= cut or not e.restored]
@@ -182,13 +212,18 @@ def rebuild(
         streams.add_to_rebuild(client, finding.key, finding.fence, epoch,
                                keep[start : start + chunk])
     first = next((i for i, e in enumerate(merged) if e.restored and i >= cut), None)
+    top = max(before.top, keep[-1].id if keep else entry_ids.ZERO, key=entry_ids.parse)
+    if ceiling is not None:  # foreign entries go: back to our own entries and delivered ids
+        own = [keep[-1].id if keep else entry_ids.ZERO, finding.newest or entry_ids.ZERO]
+        top = min(top, max(own, key=entry_ids.parse), key=entry_ids.parse)
     moved = streams.swap(
         client, finding.key, finding.fence, epoch, before,
         length=len(keep),
-        top=max(before.top, keep[-1].id if keep else entry_ids.ZERO, key=entry_ids.parse),
+        top=top,
         entries_added=max(before.entries_added, len(merged)),
         first_restored="" if first is None else merged[first].id,
         rewind_to=merged[first - 1].id if first else entry_ids.ZERO,
+        ceiling=ceiling or "", dead_key=finding.dead, now_ms=now_ms(),
     )
     if moved is None:
         log.warning("rebuild of %s dropped: the stream changed meanwhile", finding.key)
@@ -207,6 +242,63 @@ def merge(rows: Iterable[outgoing.OutboxRow], current: Iterable[Entry],
         if not out or out[-1].id != entry.id:
             out.append(entry)
     return out
+
+
+def settle_foreign(
+    engine: Engine, client: redis.Redis, finding: Finding, *, node_id: str, epoch: int,
+    ttl_ms: int, maxlen: int = 0, chunk: int = CHUNK, signer: Signer | None = None,
+) -> tuple[int, str] | None:
+    """Settle a stream whose last id is above every id the relay assigned in its partition
+    (``finding`` read the stream **before** this reads the lease row, so every entry the
+    relay appended is at or below that id). Returns None when nothing is foreign, else
+    ``(entries moved, "moved" | "adopted" | "changed")``.
+
+    Entries above the ceiling (the last assigned id, or the greatest id above it an outbox
+    row holds) and ahead of the clock (the relay's next ids could not pass them; one behind
+    the clock halts nothing and is left to the consumers) are moved to the dead-letter stream
+    by a :func:`rebuild` that leaves them out (the lease-fenced rebuild of lost data;
+    "changed": the stream changed meanwhile, the next check starts over). A last id with no
+    entry above the ceiling is adopted when within :data:`ADOPT_AHEAD_MS` of the clock, else
+    set back the same way. Raises :class:`LeaseLostError` when the lease is gone."""
+    state, partition = finding.state, finding.partition
+    last = store.last_assigned(engine, partition)
+    if not entry_ids.greater(state.top, last):
+        return None
+    above = streams.entry_ids_above(client, finding.key, last)
+    ours = store.accounted_ids(engine, finding.stream, partition, above)
+    ceiling = max([last, *ours], key=entry_ids.parse)
+    if ceiling != last:  # ids an outbox row holds (an earlier relay version's): ours
+        store.raise_last_assigned(engine, partition, node_id, epoch, ttl_ms, now_ms(), ceiling)
+    # Entries below the clock are passed by the relay's next ids (``<now ms>-<seq>``, relay/
+    # entry_ids.py): they halt nothing and stay for the consumers (which dead-letter what is
+    # invalid or unsigned). Only those the relay's ids cannot pass are moved.
+    now = now_ms()
+    passed = [i for i in above if entry_ids.parse(i)[0] < now]
+    if passed and entry_ids.greater(passed[-1], ceiling):
+        ceiling = passed[-1]
+    foreign = [i for i in above if entry_ids.greater(i, ceiling)]
+    if not foreign:
+        if not entry_ids.greater(state.top, ceiling):
+            return None
+        if entry_ids.parse(state.top)[0] <= now + ADOPT_AHEAD_MS:
+            store.raise_last_assigned(engine, partition, node_id, epoch, ttl_ms, now_ms(),
+                                      state.top)
+            log.warning("repair: %s: its last id %s is above every id the relay assigned "
+                        "(%s) but holds no entry there; the relay's ids continue above it",
+                        finding.key, state.top, ceiling)
+            return 0, "adopted"
+    store.renew_lease(engine, partition, node_id, epoch, ttl_ms, now_ms())
+    rows = store.delivered_rows(engine, finding.stream, partition)
+    if rebuild(client, finding, epoch, rows, maxlen, chunk, signer, ceiling=ceiling) is None:
+        log.warning("repair of %s (foreign_entry) starts over: the stream changed meanwhile",
+                    finding.key)
+        return 0, "changed"
+    log.error("repair: %s held %d foreign entries above the relay's last id %s (its last id "
+              "was %s): moved to %s as foreign_entry, groups that read past them set back; "
+              "appends resume", finding.key, len(foreign), ceiling, state.top, finding.dead,
+              extra={"stream": finding.stream, "partition": partition, "error": "foreign_entry",
+                     "count": len(foreign)})
+    return len(foreign), "moved"
 
 
 def _flat(row: outgoing.OutboxRow, signer: Signer | None = None) -> list[bytes | str]:
@@ -241,10 +333,14 @@ class Repairer:
         # (stream, partition) of every known stream of our partitions at the last check (the
         # settles register them: outbox_stream_trims): the streams the relay trims.
         self.streams: set[tuple[str, int]] = set()
+        self._asked: set[tuple[str, int]] = set()  # streams to check even if not known
 
-    def check_soon(self) -> None:
-        """Run the check at the next round (an append found a stream behind its floor)."""
+    def check_soon(self, stream: tuple[str, int] | None = None) -> None:
+        """Run the check at the next round (an append found a stream behind its floor, or
+        behind a top above its ids: ``stream``, checked even if it is not known yet)."""
         self._next_check = 0.0
+        if stream is not None:
+            self._asked.add(stream)
 
     def maybe_run(self, leases: dict[int, int]) -> int:
         """Check (and repair) our partitions when due, and at once for a partition newly
@@ -264,9 +360,27 @@ class Repairer:
         self.stats.checks += 1
         counts = store.delivered_counts(self.engine, sorted(leases))
         self.streams = set(counts)
+        asked, self._asked = self._asked, set()
+        for pair in asked:
+            if pair[1] in leases:
+                counts.setdefault(pair, 0)
         added = 0
+        for partition in sorted(leases):
+            self._reset_unreachable(partition, leases[partition])
         for (stream, partition), delivered in sorted(counts.items()):
             finding = compare(self.engine, self.client, s.key_prefix, stream, partition, delivered)
+            try:
+                if self._foreign(finding, leases[partition]):  # read again: it changed
+                    finding = compare(self.engine, self.client, s.key_prefix, stream, partition,
+                                      delivered)
+            except LeaseLostError:
+                self.stats.fenced += 1
+                log.warning("repair of %s skipped: partition lease lost", finding.key)
+                continue
+            except redis.ResponseError as err:  # refused (OOM, ACL …): the next check retries
+                log.warning("repair of %s (foreign_entry) refused by Redis: %s", finding.key,
+                            append.error_code(err), extra={"error": append.error_code(err)})
+                continue
             if finding.newest is not None:
                 self.floors[finding.key] = finding.newest
             if finding.reason is None:
@@ -289,6 +403,36 @@ class Repairer:
             self._record(finding, how, n)
             added += n
         return added
+
+    def _reset_unreachable(self, partition: int, epoch: int) -> None:
+        """:func:`store.reset_unreachable_last`: a lease row an earlier version left out of
+        reach (it adopted a foreign maximum id) gets a last id new batches can follow."""
+        try:
+            reset = store.reset_unreachable_last(self.engine, partition, self.node_id, epoch,
+                                                 self.settings.lease_ttl_ms, now_ms())
+        except LeaseLostError:
+            return
+        if reset is not None:
+            log.error("repair: partition %s: its last assigned id %s was out of reach (a "
+                      "foreign stream top adopted by an earlier version); set back to %s",
+                      partition, *reset, extra={"partition": partition, "error": "foreign_entry"})
+
+    def _foreign(self, finding: Finding, epoch: int) -> bool:
+        """:func:`settle_foreign` on one stream; whether it changed the stream or the lease."""
+        s = self.settings
+        settled = settle_foreign(self.engine, self.client, finding, node_id=self.node_id,
+                                 epoch=epoch, ttl_ms=s.lease_ttl_ms,
+                                 maxlen=s.stream_maxlen_unsafe, signer=self.signer)
+        if settled is None:
+            return False
+        moved, how = settled
+        if how == "changed":
+            self.stats.changed += 1
+            self.check_soon()
+            return False
+        self.stats.foreign_tops += 1
+        self.stats.foreign_entries += moved
+        return True
 
     def _record(self, finding: Finding, how: str, n: int) -> None:
         self.stats.behind += 1

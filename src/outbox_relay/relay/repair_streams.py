@@ -119,9 +119,8 @@ redis.call('PEXPIRE', KEYS[3], 3600000)
 return added
 """
 
-# ARGV: epoch, state signature, entries in KEYS[3], new top, entries-added, max-deleted id,
-# first restored id ('' if none), the id a group that read past it is rewound to.
-_SWAP = fence.PRELUDE + _STATE + """
+# Entry id order on the ids' text (exact for 20-digit numbers, which Lua's doubles are not).
+_ID_LT = """
 local function id_lt(a, b)
   local am, as = string.match(a, '(%d+)-(%d+)')
   local bm, bs = string.match(b, '(%d+)-(%d+)')
@@ -130,6 +129,14 @@ local function id_lt(a, b)
   if #as ~= #bs then return #as < #bs end
   return as < bs
 end
+"""
+
+# KEYS: stream, fence, temporary key, dead-letter stream. ARGV: epoch, state signature,
+# entries in KEYS[3], new top, entries-added, max-deleted id, first restored id ('' if none),
+# the id a group that read past it is rewound to, the foreign ceiling ('' if none: every
+# entry above it is copied to the dead-letter stream as foreign_entry, and is not in KEYS[3]),
+# the time (ms) of those letters. A group that read past the new top is set back to it.
+_SWAP = fence.PRELUDE + _STATE + _ID_LT + """
 local function map(flat)
   local m = {}
   for i = 1, #flat, 2 do m[flat[i]] = flat[i + 1] end
@@ -139,6 +146,32 @@ if state(KEYS[1]) ~= ARGV[2] or redis.call('XLEN', KEYS[3]) ~= tonumber(ARGV[3])
   redis.call('DEL', KEYS[3])
   return {-1, 0}
 end
+if ARGV[9] ~= '' then
+  local start = '(' .. ARGV[9]
+  while true do
+    local page = redis.call('XRANGE', KEYS[1], start, '+', 'COUNT', 200)
+    for _, e in ipairs(page) do
+      local args, fields = {'XADD', KEYS[4], '*'}, e[2]
+      local n = math.min(#fields, 4000)
+      for i = 1, n do args[#args + 1] = fields[i] end
+      if n < #fields then
+        args[#args + 1] = 'dlq.truncated'
+        args[#args + 1] = tostring(#fields / 2)
+      end
+      for _, v in ipairs({'dlq.reason', 'foreign_entry', 'dlq.message',
+          'not appended by the relay: above every id it assigned (' .. ARGV[9] .. ')',
+          'dlq.stream', KEYS[1], 'dlq.entry_id', e[1], 'dlq.time_ms', ARGV[10]}) do
+        args[#args + 1] = v
+      end
+      redis.call(unpack(args))
+    end
+    if #page < 200 then break end
+    start = '(' .. page[#page][1]
+  end
+end
+if redis.call('EXISTS', KEYS[3]) == 0 then
+  redis.call('XADD', KEYS[3], 'MAXLEN', '0', '0-1', 'outbox.placeholder', '1')
+end
 redis.call('XSETID', KEYS[3], ARGV[4], 'ENTRIESADDED', ARGV[5], 'MAXDELETEDID', ARGV[6])
 local groups, claimed = 0, 0
 if redis.call('EXISTS', KEYS[1]) == 1 then
@@ -147,6 +180,9 @@ if redis.call('EXISTS', KEYS[1]) == 1 then
     local last, read = g['last-delivered-id'], g['entries-read']
     if ARGV[7] ~= '' and not id_lt(last, ARGV[7]) then
       last, read = ARGV[8], false
+    end
+    if id_lt(ARGV[4], last) then  -- read past the new last id (foreign entries): set back
+      last, read = ARGV[4], false
     end
     if read then
       redis.call('XGROUP', 'CREATE', KEYS[3], g['name'], last, 'ENTRIESREAD', read)
@@ -197,6 +233,19 @@ end
 redis.call('XSETID', KEYS[1], ARGV[2])
 return 1
 """
+
+
+def entry_ids_above(client: redis.Redis, key: str, after: str, page: int = 1000) -> list[str]:
+    """The ids of the stream's entries above ``after``, in order (``XRANGE (after +``)."""
+    out: list[str] = []
+    start = f"({after}"
+    while True:
+        with translate_redis_errors():
+            got: Any = client.xrange(key, min=start, max="+", count=page)
+        out += [i.decode() if isinstance(i, bytes) else str(i) for i, _fields in got]
+        if len(got) < page:
+            return out
+        start = f"({out[-1]}"
 
 
 def raise_top(client: redis.Redis, key: str, fence_key: str, epoch: int, top: str) -> bool:
@@ -281,15 +330,23 @@ def add_to_rebuild(
 def swap(
     client: redis.Redis, key: str, fence_key: str, epoch: int, before: StreamState, *,
     length: int, top: str, entries_added: int, first_restored: str, rewind_to: str,
+    ceiling: str = "", dead_key: str = "", now_ms: int = 0,
 ) -> tuple[int, int] | None:
     """Move groups and pending lists over and replace the stream, atomically.
 
     ``(groups, pending entries)`` moved, or None (temporary key dropped, stream untouched)
     when the stream changed since :func:`begin_rebuild` or the temporary key is incomplete.
+    With a ``ceiling``, the entries above it (foreign: left out of the rebuilt stream) are
+    copied to ``dead_key`` first, in the same script, with reason ``foreign_entry``, their
+    original id and fields; their pending entries are not carried over (``XCLAIM`` skips an
+    id the stream does not hold) and groups that read past ``top`` are set back to it.
     """
+    deleted = before.max_deleted
+    if entry_ids.greater(deleted, top):
+        deleted = top
     groups, claimed = fence.run_fenced(
-        client, _SWAP, [key, fence_key, rebuild_key(key)],
-        [epoch, before.signature(), length, top, entries_added, before.max_deleted,
-         first_restored, rewind_to],
+        client, _SWAP, [key, fence_key, rebuild_key(key), dead_key or f"{key}:dead"],
+        [epoch, before.signature(), length, top, entries_added, deleted,
+         first_restored, rewind_to, ceiling, now_ms],
     )
     return None if int(groups) < 0 else (int(groups), int(claimed))

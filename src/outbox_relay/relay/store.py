@@ -259,6 +259,7 @@ def take_batch(
     *,
     after_seq: int | None = None,
     inflight: Sequence[int] = (),
+    waiting: frozenset[str] = frozenset(),
 ) -> list[OutboxRow]:
     """Take the next rows of a partition in ``seq`` order, each with its entry id.
 
@@ -272,16 +273,18 @@ def take_batch(
     next batch while the previous one (still undelivered, its seqs in ``inflight``) is being
     appended. A row is held back while an earlier undelivered row of its aggregate is neither
     in ``inflight`` nor ahead of it in the batch (:mod:`relay.outgoing`). Raises
-    :class:`LeaseLostError` when fenced out.
+    :class:`LeaseLostError` when fenced out. Rows of the streams in ``waiting`` (backing off
+    after a refusal, relay/refusals.py) are not taken.
     """
     with translate_errors(), engine.begin() as conn:
         now = max(now, now_ms())  # the lock may have been waited for (SQLite)
         return _take(conn, partition, node_id, epoch, batch_size, ttl_ms, now,
-                     after_seq=after_seq, inflight=inflight)
+                     after_seq=after_seq, inflight=inflight, waiting=waiting)
 
 
 def take_batches(
-    engine: Engine, node_id: str, leases: dict[int, int], batch_size: int, ttl_ms: int, now: int
+    engine: Engine, node_id: str, leases: dict[int, int], batch_size: int, ttl_ms: int, now: int,
+    waiting: dict[int, frozenset[str]] | None = None,
 ) -> tuple[dict[int, list[OutboxRow]], list[int]]:
     """:func:`take_batch` (without ``after_seq``) for several partitions in **one**
     transaction: ``({partition: rows}, [partitions fenced out])``.
@@ -299,7 +302,7 @@ def take_batches(
         for partition in sorted(leases):
             try:
                 rows = _take(conn, partition, node_id, leases[partition], batch_size, ttl_ms,
-                             now)
+                             now, waiting=(waiting or {}).get(partition, frozenset()))
             except LeaseLostError:
                 lost.append(partition)
                 continue
@@ -311,6 +314,7 @@ def take_batches(
 def _take(
     conn: Connection, partition: int, node_id: str, epoch: int, batch_size: int, ttl_ms: int,
     now: int, *, after_seq: int | None = None, inflight: Sequence[int] = (),
+    waiting: frozenset[str] = frozenset(),
 ) -> list[OutboxRow]:
     """The body of :func:`take_batch`, in the caller's transaction."""
     if after_seq is not None:
@@ -318,7 +322,7 @@ def _take(
         assert lease is not None
         last, batches, db_now = lease
         return take_fresh(conn, partition, epoch, batch_size, db_now, last, batches,
-                          after_seq=after_seq, inflight=inflight)
+                          after_seq=after_seq, inflight=inflight, waiting=waiting)
     found = _fence(conn, partition, node_id, epoch, now, ttl_ms, idle_skip=True)
     if found is None:
         return []
@@ -329,7 +333,7 @@ def _take(
             return rows
         batches = []  # their rows are gone: nothing left to retry
     return take_fresh(conn, partition, epoch, batch_size, db_now, last, batches,
-                      force_write=True)
+                      force_write=True, waiting=waiting)
 
 
 def _mark_delivered(
@@ -437,14 +441,17 @@ def settle(
     inflight: Sequence[int] = (),
     drop_recorded: bool = False,
     register: set[tuple[str, int]] | None = None,
+    waiting: frozenset[str] = frozenset(),
 ) -> list[OutboxRow]:
     """Record what Redis said, in one transaction, only while our epoch is current.
 
     ``delivered``: ``(seq, entry_id)`` Redis holds; they are marked under that id. ``gaps``:
     rows whose id fell behind the stream's top without being there, and ``failed``:
     ``(seq, error code)`` Redis refused; both stay pending and are taken again in a later
-    batch, under new ids above every id so far (``stream_top``, the stream's last generated
-    id behind a gap, raises that floor). The settled batch's record leaves the lease row.
+    batch, under new ids above every id so far. ``stream_top`` (the stream's last generated
+    id behind a gap) is not adopted: a top above every id the relay assigned is foreign, and
+    the repair check settles it (relay/repair.py). The settled batch's record leaves the
+    lease row.
 
     With ``take_after``, the same transaction also takes the next batch after that seq (as
     :func:`take` does, ``inflight`` being the seqs of the batch appended meanwhile) and
@@ -462,7 +469,7 @@ def settle(
     with translate_errors(), engine.begin() as conn:
         now = max(now, now_ms())  # the lock may have been waited for (SQLite)
         return _settle(conn, outcome, node_id, ttl_ms, now, take_after=take_after,
-                       batch_size=batch_size, inflight=inflight)
+                       batch_size=batch_size, inflight=inflight, waiting=waiting)
 
 
 @dataclass(frozen=True)
@@ -499,14 +506,16 @@ def settle_batches(
 def _settle(
     conn: Connection, o: Settlement, node_id: str, ttl_ms: int, now: int, *,
     take_after: int | None = None, batch_size: int = 0, inflight: Sequence[int] = (),
+    waiting: frozenset[str] = frozenset(),
 ) -> list[OutboxRow]:
     """The body of :func:`settle`, in the caller's transaction."""
     partition, epoch = o.partition, o.epoch
     lease = _fence(conn, partition, node_id, epoch, now, ttl_ms)
     assert lease is not None
     last, batches, db_now = lease
-    if o.stream_top is not None and entry_ids.greater(o.stream_top, last):
-        last = o.stream_top
+    # A stream top behind a gap is never adopted here: one above ``last`` was not written by
+    # the relay (the relay's repair check moves foreign entries away, or adopts a bare top
+    # near the clock: relay/repair.py), and adopting it could take an id no stream can follow.
     if o.delivered:
         _mark_delivered(conn, partition, o.delivered, now)
         if o.register:
@@ -523,7 +532,8 @@ def _settle(
         record(conn, partition, epoch, batches, last)
         return []
     return take_fresh(conn, partition, epoch, batch_size, db_now, last, batches,
-                      after_seq=take_after, inflight=inflight, force_write=True)
+                      after_seq=take_after, inflight=inflight, force_write=True,
+                      waiting=waiting)
 
 
 @functools.cache
@@ -779,6 +789,80 @@ def delivered_rows(
     found = [_to_row(r, r.entry_id) for r in rows
              if r.entry_id == lowest_ok or entry_ids.greater(r.entry_id, after)]
     return sorted(found, key=lambda r: entry_ids.parse(r.entry_id))
+
+
+def last_assigned(engine: Engine, partition: int) -> str:
+    """The greatest entry id the relay ever assigned in ``partition`` (its lease row's
+    ``last_entry_id``): every take records its batch's ids here before any ``XADD``, so no
+    entry the relay appended to a stream of the partition is above it."""
+    with translate_errors(), engine.connect() as conn:
+        last = conn.execute(select(relay_leases.c.last_entry_id)
+                            .where(relay_leases.c.partition == partition)).scalar_one_or_none()
+    return last or entry_ids.ZERO
+
+
+ID_PART_MAX = 2**64 - 1  # the largest ms (and seq) of a Redis stream entry id
+
+
+def reset_unreachable_last(
+    engine: Engine, partition: int, node_id: str, epoch: int, ttl_ms: int, now: int
+) -> tuple[str, str] | None:
+    """Set back a last assigned id whose next batch id cannot exist (its ms is the largest a
+    stream id may have, or above), fenced by the lease; ``(old, new)``, or None if in reach.
+
+    Only a foreign stream top adopted by an earlier relay version (a gap behind the maximum id)
+    leaves such a value; every batch taken after it got an id Redis refuses, so no entry holds
+    one. The new value is the greatest id the relay's entries can have: the delivered rows'
+    ids and the recorded batches' (those with an invalid id dropped: never appended, their
+    rows are taken again); entries above it are then foreign
+    (:func:`relay.repair.settle_foreign`). If the relay's own entries are out of reach too,
+    nothing changes (the partition stays visibly refused, ``redis_error``)."""
+    if entry_ids.parse(last_assigned(engine, partition))[0] < ID_PART_MAX:
+        return None
+    with translate_errors(), engine.begin() as conn:
+        lease = _fence(conn, partition, node_id, epoch, max(now, now_ms()), ttl_ms)
+        assert lease is not None
+        last, batches, _db_now = lease
+        if entry_ids.parse(last)[0] < ID_PART_MAX:
+            return None
+        kept = [b for b in batches if b.ms <= ID_PART_MAX]  # the others never landed
+        delivered = conn.execute(select(outbox.c.entry_id).where(
+            outbox.c.partition.between(partition, partition),
+            outbox.c.delivered_at_ms.is_not(None), outbox.c.entry_id.is_not(None))).scalars()
+        ids = [*delivered, *(entry_ids.format_id(b.ms, b.last_seq) for b in kept)]
+        new = max(ids, key=entry_ids.parse, default=entry_ids.ZERO)
+        if entry_ids.parse(new)[0] >= ID_PART_MAX:  # entries of ours up there: nothing to do
+            return None
+        record(conn, partition, epoch, kept, new)
+        return last, new
+
+
+def accounted_ids(engine: Engine, stream: str, partition: int, ids: Sequence[str]) -> set[str]:
+    """The ``ids`` that an outbox row of ``(stream, partition)`` holds as its entry id
+    (delivered or not): entries the relay may have appended under them are its own."""
+    found: set[str] = set()
+    with translate_errors(), engine.connect() as conn:
+        for start in range(0, len(ids), 500):
+            found |= set(conn.execute(
+                select(outbox.c.entry_id).where(
+                    outbox.c.stream == stream, outbox.c.partition == partition,
+                    outbox.c.entry_id.in_(list(ids[start : start + 500])))).scalars())
+    return found
+
+
+def raise_last_assigned(
+    engine: Engine, partition: int, node_id: str, epoch: int, ttl_ms: int, now: int, top: str
+) -> bool:
+    """Raise the partition's last assigned entry id to ``top`` (never lower it), fenced by
+    the lease; whether it changed. The next batch's ids then go above ``top``."""
+    with translate_errors(), engine.begin() as conn:
+        lease = _fence(conn, partition, node_id, epoch, max(now, now_ms()), ttl_ms)
+        assert lease is not None
+        last, batches, _db_now = lease
+        if not entry_ids.greater(top, last):
+            return False
+        record(conn, partition, epoch, batches, top)
+        return True
 
 
 def renew_lease(
