@@ -6,6 +6,7 @@ import io
 import json
 import logging
 import re
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -140,3 +141,25 @@ def test_configure_logging_installs_one_root_handler_of_the_format(configure: An
         root.handlers[:], level = saved
         root.setLevel(level)
         logging.getLogger("alembic").setLevel(logging.NOTSET)
+
+
+def test_records_go_to_the_current_stderr_not_a_replaced_and_closed_one(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    """A daemon configured while ``sys.stderr`` was another stream (a test's capture, an
+    embedding app's redirect) that is closed since: records still reach stderr, and no
+    "Logging error" traceback is printed."""
+    saved_handlers, saved_stderr = logging.getLogger().handlers[:], sys.stderr
+    temporary = io.StringIO()
+    sys.stderr = temporary
+    try:
+        logs.configure_logging("INFO")
+    finally:
+        sys.stderr = saved_stderr
+    temporary.close()
+    try:
+        logging.getLogger("outbox_relay.test").warning("after the redirect ended")
+    finally:
+        logging.getLogger().handlers[:] = saved_handlers
+    err = capfd.readouterr().err
+    assert "after the redirect ended" in err and "Logging error" not in err

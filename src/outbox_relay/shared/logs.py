@@ -90,12 +90,30 @@ def _field(value: Any) -> Any:
     return redact_url(value if isinstance(value, str) else str(value))
 
 
+class _CurrentStderr(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes each record to ``sys.stderr`` as it is *then*, not as it was when logging was
+    configured: a stream replaced since (a test's capture, an embedding application's
+    redirect) and closed would otherwise turn every later record into a "Logging error"
+    traceback."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+
+    @property
+    def stream(self) -> TextIO:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value: TextIO) -> None:
+        pass  # always the current sys.stderr
+
+
 def make_handler(fmt: str = "text", stream: TextIO | None = None) -> logging.Handler:
     """A handler writing ``fmt`` (``text`` or ``json``) to ``stream`` (default stderr),
     with the message of each record redacted before any formatter or filter sees it."""
     if fmt not in LOG_FORMATS:
         raise ValueError(f"log format must be one of {', '.join(LOG_FORMATS)}, not {fmt!r}")
-    handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
+    handler = logging.StreamHandler(stream) if stream is not None else _CurrentStderr()
     handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
     handler.addFilter(RedactingFilter())
     return handler
