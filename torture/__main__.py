@@ -1,6 +1,6 @@
 """``python -m torture [--database sqlite|postgresql|both] [--duration S] [--kills N]
 [--quick] [--run-worker] [--no-retention] [--redis single|cluster|sentinel]
-[--wait-replicas N]``: run the harness, print the table, write the JSON
+[--wait-replicas N] [--outage-s S]``: run the harness, print the table, write the JSON
 report. ``python -m torture --soak [--quick] [--duration S] [--rate N]``: the soak instead
 (:mod:`torture.soak`)."""
 
@@ -21,7 +21,8 @@ COLUMNS = (
     ("total_kills", "kills"), ("failovers", "failovers"),
     ("lacked_after_failover", "lacked at failover"), ("events", "events"),
     ("strict_events", "strict"),
-    ("handler_failures", "handler fails"), ("runs", "runs"),
+    ("handler_failures", "handler fails"), ("pauses_past_lease", "long pauses"),
+    ("outage_failures", "outage fails"), ("chained_events", "chained"), ("runs", "runs"),
     ("runs_not_terminal", "open runs"), ("lost", "lost"),
     ("duplicate_entries", "dup entries"), ("duplicate_effects", "dup effects"),
     ("order_violations", "order viol"), ("stream_order_violations", "stream order"),
@@ -44,6 +45,12 @@ def render(reports: list[dict[str, Any]]) -> str:
         lines.append(f"\n{r['database']}: kills per fault point")
         lines += [f"  {name:<28} {n:>6}" for name, n in r["kills"].items()]
         lines += [f"  {name:<28} {n:>6}" for name, n in r["infra_faults"].items()]
+        lines.append(f"  pauses {r['pauses']} ({r['pauses_past_lease']} past the lease, "
+                     f"{r['pauses_short']} shorter, {r['pauses_killed']} killed while stopped;"
+                     f" {r['paused_by_kind']}); downstream down {r['outage_seconds']} s, "
+                     f"{r['outage_failures']} calls failed; chain: {r['chain_sources']} sources"
+                     f" applied, {r['chained_events']} chained events, {r['chained_applied']} "
+                     "applied by the second group")
         if r.get("destroyed_per_empty_restart"):
             lines.append("  marked entries destroyed per empty restart: "
                          + ", ".join(map(str, r["destroyed_per_empty_restart"])))

@@ -17,6 +17,18 @@ With ``TORTURE_FAIL_PERCENT=N`` (the harness sets 2; unset, nothing fails) about
 chosen by a hash of the id, fail their first handler call in a process, then succeed on retry:
 a transient failure that must hold back the aggregate's later revisions.
 
+A downstream outage: while the file named by ``TORTURE_OUTAGE_FILE`` exists (the harness
+creates it for a window mid-run), every handler call raises :class:`DownstreamDown`. The
+consumers' retry policy must wait it out: afterwards everything is applied, in order, and
+nothing is dead-lettered (design.md flow 3, invariant 9).
+
+One chained hop (publishing from a handler; with ``TORTURE_CHAIN=1``, which the harness sets):
+applying a *source* event (:func:`chains`: about :data:`CHAIN_PERCENT` % of the
+``item.changed`` events, by a hash of the id) also enqueues, on the claim's connection, its
+chained event :func:`chained_id` (``item.relayed``, same aggregate and revision) on stream
+:data:`CHAIN_STREAM`, which the second group :data:`CHAIN_GROUP` applies (strict). The chained
+event commits with the source's receipt, or neither.
+
 Loaded with ``outbox consume --app torture.app:handlers``.
 """
 
@@ -37,12 +49,19 @@ from sqlalchemy import (
 )
 
 from outbox_relay.consumer import Handlers
+from outbox_relay.producer import Producer
 from outbox_relay.shared.db import now_ms
 from outbox_relay.shared.envelope import Event
 from outbox_relay.shared.settings import ConsumerSettings
 
-STRICT_TYPES = frozenset({"item.changed", "item.noted"})
+CHAIN_TYPE = "item.relayed"
+STRICT_TYPES = frozenset({"item.changed", "item.noted", CHAIN_TYPE})
 LATEST_TYPES = frozenset({"item.touched"})  # and "*": every type not named here
+CHAIN_SOURCE_TYPE = "item.changed"
+CHAIN_PERCENT = 25
+CHAIN_STREAM = "chained"
+CHAIN_GROUP = "chain"
+CHAIN_PREFIX = "relayed:"
 
 metadata = MetaData()
 
@@ -86,22 +105,54 @@ def fails_first(event_id: str, percent: int) -> bool:
     return zlib.crc32(event_id.encode()) % 100 < percent
 
 
+def chains(event_type: str, event_id: str) -> bool:
+    """Whether applying this event enqueues a chained event (a source of the hop)."""
+    return (event_type == CHAIN_SOURCE_TYPE
+            and zlib.crc32(f"chain:{event_id}".encode()) % 100 < CHAIN_PERCENT)
+
+
+def chained_id(source_id: str) -> str:
+    """The deterministic id of the event chained from ``source_id``."""
+    return CHAIN_PREFIX + source_id
+
+
+def source_of(chained: str) -> str | None:
+    """The source event id of a chained event id (None: not a chained id)."""
+    return chained[len(CHAIN_PREFIX):] if chained.startswith(CHAIN_PREFIX) else None
+
+
 class TransientError(RuntimeError):
     """The injected handler failure: the entry stays pending and is retried."""
 
 
+class DownstreamDown(RuntimeError):
+    """The torture's downstream is down (the outage file exists): retried until it is back."""
+
+
 def handlers(settings: ConsumerSettings) -> Handlers:
     """Every event type: record one effect row in the claim transaction (strict for the item
-    changes, latest for the rest), failing the first call of ``TORTURE_FAIL_PERCENT`` % of
-    events."""
+    changes and the chained type, latest for the rest), failing every call while the outage
+    file exists and the first call of ``TORTURE_FAIL_PERCENT`` % of events; a source of the
+    hop also enqueues its chained event."""
     group = settings.group
     percent = int(os.environ.get("TORTURE_FAIL_PERCENT", "0"))
+    outage = os.environ.get("TORTURE_OUTAGE_FILE", "")
+    chain = os.environ.get("TORTURE_CHAIN") == "1"  # the harness sets it; the soak does not
+    producer = Producer(source="torture-chain", partitions=settings.partitions,
+                        key_prefix=settings.key_prefix)
     failed: set[str] = set()
 
     def record(conn: Connection, event: Event) -> None:
+        if outage and os.path.exists(outage):
+            raise DownstreamDown(f"downstream down while applying {event.id}")
         if event.id not in failed and fails_first(event.id, percent):
             failed.add(event.id)
             raise TransientError(f"injected transient failure of {event.id}")
+        if chain and chains(event.type, event.id):
+            producer.enqueue(conn, type=CHAIN_TYPE, stream=CHAIN_STREAM,
+                             aggregate_type=event.aggregatetype, aggregate_id=event.aggregateid,
+                             revision=event.revision, data={"source": event.id},
+                             event_id=chained_id(event.id))
         conn.execute(
             effects.insert().values(
                 event_id=event.id, group_name=group, event_type=event.type,

@@ -1,5 +1,7 @@
-"""The fault loop: restart the dead (armed with a fault point), kill at random, break the broker
-and the database on a schedule, and count every kill by where it happened."""
+"""The fault loop: restart the dead (armed with a fault point), kill at random, pause consumers
+and workers (SIGSTOP, then SIGCONT; most pauses outlast their lease), break the broker and the
+database on a schedule, take the handlers' downstream down for one window, and count every kill
+by where it happened."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from sqlalchemy import Engine, text
 
@@ -24,6 +27,11 @@ POINTS_BY_KIND: dict[str, tuple[str, ...]] = {
     "worker": ("worker.mid_stage", "worker.after_checkpoint"),
 }
 DB_FAULT = "db.terminate_backends"
+# Broker faults that never read or write the database. Before any other (an empty restart counts
+# the marked entries, a failover commits a burst) every paused process is woken: on SQLite one
+# stopped inside a transaction holds the write lock, and the loop, waiting for it inside the
+# fault, could not wake it.
+DATABASE_FREE_FAULTS = frozenset({"redis.kill_persistent", "redis.stall"})
 
 
 @dataclass
@@ -42,6 +50,19 @@ class Plan:
     # Odds of each kind being the random kill's victim, relative to 1 for the others:
     # consumers die twice as often (two of them share a group and hand partitions over).
     victim_weights: dict[str, float] = field(default_factory=lambda: {"consumer": 2.0})
+    # Pauses (0: none): mean seconds between two, and how long. Two of three outlast the lease
+    # (``lease_s``, the consumers' and workers' OUTBOX_LEASE_TTL_MS): the process wakes to find
+    # its streams or its run taken over or expired. Odds of each kind being paused.
+    pause_every_s: float = 0.0
+    pause_long_s: tuple[float, float] = (3.5, 6.0)
+    pause_short_s: tuple[float, float] = (0.3, 2.0)
+    lease_s: float = 3.0
+    pause_weights: dict[str, float] = field(
+        default_factory=lambda: {"consumer": 3.0, "worker": 1.0})
+    # The handlers' downstream is down from ``outage_at_s`` into the run for ``outage_s``
+    # (0: no outage); the run does not end before it is back.
+    outage_at_s: float = 10.0
+    outage_s: float = 0.0
 
 
 @dataclass
@@ -52,9 +73,23 @@ class Tally:
     faults: Counter[str] = field(default_factory=Counter)
     unexpected_exits: list[str] = field(default_factory=list)
     unavailable_exits: Counter[str] = field(default_factory=Counter)  # per kind, see _record_death
+    pauses: int = 0  # SIGSTOPs sent
+    pauses_past_lease: int = 0  # woken (SIGCONT) after at least the lease
+    pauses_short: int = 0  # woken before the lease
+    pauses_killed: int = 0  # killed (or died) while stopped: never woken
+    paused_by_kind: Counter[str] = field(default_factory=Counter)
+    outage_seconds: float = 0.0  # how long the outage file existed
 
     def total_kills(self) -> int:
         return sum(self.kills.values())
+
+
+@dataclass
+class _Pause:
+    child: Child
+    incarnation: int
+    since: float
+    until: float
 
 
 class Chaos:
@@ -68,8 +103,19 @@ class Chaos:
         *,
         seed: int,
         terminate_backends: Callable[[], int] | None,
+        outage_file: Path | None = None,
+        flowing: Callable[[], bool] | None = None,
+        felt: Callable[[], bool] | None = None,
     ) -> None:
         self.plan = plan
+        self.outage_file = outage_file
+        self.flowing = flowing
+        self.felt = felt
+        self._asked_at = 0.0
+        self._paused: list[_Pause] = []
+        self._outage_since: float | None = None
+        self._outage_done = plan.outage_s <= 0 or outage_file is None
+        self._started = time.monotonic()
         self.children = children
         self.broker = broker
         self.rng = random.Random(seed)
@@ -97,17 +143,30 @@ class Chaos:
         return f"{candidates[i % len(candidates)]}:{min(rate, 1.0):.4f}"
 
     def run(self) -> Tally:
-        """Loop until duration, kill count and coverage are met (or the hard cap)."""
-        started = time.monotonic()
+        """Loop until duration, kill count and coverage are met (or the hard cap); every paused
+        process is woken and the downstream is back when it returns."""
+        try:
+            return self._loop()
+        finally:
+            self._resume_paused(float("inf"))
+            self._outage(float("inf"), end=True)
+
+    def _loop(self) -> Tally:
+        started = self._started = time.monotonic()
         next_random = started + self.rng.expovariate(1 / self.plan.random_kill_every_s)
         next_broker = started + self.plan.broker_every_s / 2
         next_db = started + self.plan.db_every_s / 2
+        next_pause = started + (self.plan.pause_every_s / 2 if self.plan.pause_every_s
+                                else float("inf"))
         broker_i = 0
         while True:
             now = time.monotonic()
             if self._done(now - started):
                 return self.tally
-            self._reap_and_restart()
+            self._tend()
+            if now >= next_pause:
+                self._pause(now)
+                next_pause = now + self.rng.expovariate(1 / self.plan.pause_every_s)
             if now >= next_random:
                 self._random_kill()
                 next_random = now + self.rng.expovariate(1 / self.plan.random_kill_every_s)
@@ -131,11 +190,92 @@ class Chaos:
         covered = bool(all(self.tally.kills[p] for p in self.points) and all(
             self.tally.faults[f] for f in self.broker.faults
         ) and (self.terminate_backends is None or self.tally.faults[DB_FAULT]))
+        if self.plan.pause_every_s:
+            covered = covered and bool(self.tally.pauses_past_lease and self.tally.pauses_short)
         return (
             elapsed >= self.plan.duration_s
             and self.tally.total_kills() >= self.plan.kills
             and covered
+            and self._outage_done
         )
+
+    def _pause(self, now: float) -> None:
+        """SIGSTOP a consumer or a worker not already stopped: two of three times for longer
+        than its lease."""
+        stopped = {p.child.name for p in self._paused}
+        among = [c for c in self.children if c.alive() and c.name not in stopped
+                 and c.kind in self.plan.pause_weights]
+        if not among:
+            return
+        child = self.rng.choices(among, [self.plan.pause_weights[c.kind] for c in among])[0]
+        long = self.tally.pauses % 3 != 1
+        low, high = self.plan.pause_long_s if long else self.plan.pause_short_s
+        child.pause()
+        self.tally.pauses += 1
+        self.tally.paused_by_kind[child.kind] += 1
+        self._paused.append(_Pause(child, child.incarnation, now,
+                                   now + self.rng.uniform(low, high)))
+
+    def _resume_paused(self, now: float) -> None:
+        """SIGCONT every pause that is due (all of them at ``inf``), counted by how long the
+        process was stopped; one killed meanwhile is only counted."""
+        due = [p for p in self._paused if p.until <= now]
+        self._paused = [p for p in self._paused if p.until > now]
+        for p in due:
+            if p.child.incarnation != p.incarnation or not p.child.alive():
+                self.tally.pauses_killed += 1
+                continue
+            p.child.resume()
+            stopped_s = time.monotonic() - p.since
+            if stopped_s >= self.plan.lease_s:
+                self.tally.pauses_past_lease += 1
+            else:
+                self.tally.pauses_short += 1
+            log.info("%s#%d woken after %.1f s", p.child.name, p.incarnation, stopped_s)
+
+    def _outage(self, elapsed: float, *, end: bool = False) -> None:
+        """Create the outage file at ``outage_at_s`` or later, once events flow (``flowing``),
+        remove it ``outage_s`` later, or once a handler call has failed for it (``felt``) if
+        none did by then, up to ``4 * outage_s`` (now, with ``end``). Each question is asked
+        twice a second at most: on a loaded machine a daemon may take seconds to start."""
+        if self.outage_file is None or self.plan.outage_s <= 0:
+            return
+        if self._outage_since is None:
+            if end or self._outage_done or elapsed < self.plan.outage_at_s:
+                return
+            if not self._asked(self.flowing):
+                return
+            self.outage_file.touch()
+            self._outage_since = time.monotonic()
+            log.info("downstream down for %.0f s", self.plan.outage_s)
+        elif end or self._outage_over(time.monotonic() - self._outage_since):
+            self.outage_file.unlink(missing_ok=True)
+            self.tally.outage_seconds = time.monotonic() - self._outage_since
+            self._outage_since = None
+            self._outage_done = True
+            log.info("downstream back after %.1f s", self.tally.outage_seconds)
+
+    def _tend(self) -> None:
+        """Restart the dead, wake the pauses that are due, start or end the outage (also
+        while a broker fault holds the loop)."""
+        self._reap_and_restart()
+        now = time.monotonic()
+        self._resume_paused(now)
+        self._outage(now - self._started)
+
+    def _outage_over(self, down_s: float) -> bool:
+        if down_s < self.plan.outage_s:
+            return False
+        return down_s >= 4 * self.plan.outage_s or self._asked(self.felt)
+
+    def _asked(self, question: Callable[[], bool] | None) -> bool:
+        """``question()``, True without one; False if one was asked less than 0.5 s ago."""
+        if question is None:
+            return True
+        if time.monotonic() - self._asked_at < 0.5:
+            return False
+        self._asked_at = time.monotonic()
+        return question()
 
     def _reap_and_restart(self) -> None:
         for child in self.children:
@@ -172,7 +312,9 @@ class Chaos:
     def _broker_fault(self, fault: str) -> bool:
         """Inflict ``fault`` (:meth:`torture.brokers.Broker.inflict`); False if nothing was
         done (try again soon)."""
-        if not self.broker.inflict(fault, self.rng, self._reap_and_restart):
+        if fault not in DATABASE_FREE_FAULTS:
+            self._resume_paused(float("inf"))
+        if not self.broker.inflict(fault, self.rng, self._tend):
             return False
         self.tally.faults[fault] += 1
         return True

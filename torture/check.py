@@ -48,6 +48,9 @@ Order (design.md flow 3, invariant 6), each rule a violation of its own:
   a ``superseded`` receipt of a ``latest`` type when the same group applied a strictly newer
   revision of the same aggregate: that one is counted in ``superseded_latest``, the only
   non-applied outcome the torture accepts. There is no other exception (no ``stale``).
+
+Each group is judged on the streams it reads (``reads``; by default every stream). The chained
+hop (``chain``: the source group and the chained group) is judged by :mod:`torture.chain`.
 """
 
 from __future__ import annotations
@@ -65,6 +68,7 @@ from outbox_relay.runs.schema import runs
 from outbox_relay.shared import keys
 from outbox_relay.shared.schema import inbox, outbox, stream_trims
 from torture import app, ledger
+from torture import chain as torture_chain
 from torture.order import (
     AggregateKey,
     aggregate_of,
@@ -87,6 +91,7 @@ VIOLATIONS = (
     "not_applied", "skipped", "out_of_order", "order_violations", "duplicate_effects",
     "missing_effects", "pending", "dead_letters", "rows_missing", "rows_reused", "remarked",
     "foreign_receipts", "lost_receipts", "receipts_recreated", "receipts_pruned_wrongly",
+    "chain_missing", "chain_orphans",
 )
 RUN_VIOLATIONS = ("runs_not_terminal", "worker_receipts_missing", "worker_receipts_bad")
 
@@ -123,6 +128,13 @@ class Verdict:
     lost_receipts: int = 0  # outcome ``lost``: an entry vanished while pending
     receipts_recreated: int = 0
     receipts_pruned_wrongly: int = 0
+    # The chained hop (torture/chain.py): sources applied without their chained event, and
+    # chained events without an applied source (or not matching it).
+    chain_missing: int = 0
+    chain_orphans: int = 0
+    chain_sources: int = 0  # source events applied by the source group
+    chained_events: int = 0  # chained events enqueued (the ledger)
+    chained_applied: int = 0  # chained events the chained group applied
     # What retention did, accepted (not violations).
     rows_pruned: int = 0
     receipts_pruned: int = 0
@@ -271,18 +283,26 @@ def verify(
     engine: Engine, client: redis.Redis, prefix: str, groups: list[str], *, check_runs: bool,
     worker_group: str | None = None, runs_stream: str = "runs",
     strict: Callable[[str], bool] = app.is_strict, retention: Retention | None = None,
+    reads: dict[str, frozenset[str]] | None = None, chain: tuple[str, str] | None = None,
 ) -> Verdict:
     """Compare the ledger with the outbox, the streams, the inboxes and the side effects of
-    ``groups`` (``strict(type)`` says which types those groups apply in strict order) and, with
-    ``worker_group``, that group's receipts for every event of ``runs_stream`` (latest)."""
+    ``groups`` (``strict(type)`` says which types those groups apply in strict order; ``reads``
+    which streams each group reads, default all) and, with ``worker_group``, that group's
+    receipts for every event of ``runs_stream`` (latest); with ``chain`` (source group,
+    chained group) the hop end to end (:func:`torture.chain.check`)."""
     snap = snapshot(engine, check_runs=check_runs)
+
+    def reads_stream(group: str, stream: str) -> bool:
+        return reads is None or group not in reads or stream in reads[group]
+
     retention = retention or Retention()
     v = Verdict(events=len(snap.events), runs=snap.runs,
                 runs_not_terminal=snap.runs_not_terminal)
     v.strict_events = sum(1 for x in snap.events if strict(x.type))
     v.undelivered = sum(1 for x in snap.events if x.delivered_at_ms is None)
     _outbox_rows(v, snap, retention)
-    readers = {stream: list(groups) for stream in {x.stream for x in snap.events}}
+    readers = {stream: [g for g in groups if reads_stream(g, stream)]
+               for stream in {x.stream for x in snap.events}}
     if worker_group is not None:
         readers.setdefault(runs_stream, []).append(worker_group)
     _streams(v, snap, client, prefix, readers, set(groups))
@@ -292,12 +312,15 @@ def verify(
     v.superseded_latest = len(accepted)
     v.out_of_order = sum(1 for x in snap.receipts
                          if x.outcome == DEAD and x.reason == OUT_OF_ORDER)
-    _receipts_and_effects(v, snap.events, groups, snap.receipts, snap.effects, accepted, strict)
     for group in groups:
+        read = [x for x in snap.events if reads_stream(group, x.stream)]
+        _receipts_and_effects(v, read, [group], snap.receipts, snap.effects, accepted, strict)
         v.order_violations += order_violations(
-            [x for x in snap.events if strict(x.type)],
+            [x for x in read if strict(x.type)],
             [x for x in snap.effect_rows if x.group_name == group and strict(x.event_type)],
         )
+    if chain is not None:
+        torture_chain.check(v, snap.events, snap.receipts, snap.effects, *chain)
     if worker_group is not None:
         outcome = {x.event_id: x.outcome for x in snap.receipts if x.group_name == worker_group}
         run_events = [x.event_id for x in snap.events if x.stream == runs_stream]

@@ -2,10 +2,13 @@
 
 For each database (SQLite file, PostgreSQL schema of its own): start a Redis of its own
 (``appendonly yes``, ``appendfsync always``), a producer (with ``--writers`` threads sharing
-aggregates, :mod:`torture.load`), 2 relays, 2 consumers of one group and (with ``--run-worker``)
-2 run workers as separate processes; kill them at random and at every fault
-point, break Redis and the database on a schedule; then let everything settle, check
-(:mod:`torture.check`), print a table and write JSON. Exit status 1 on any violation.
+aggregates, :mod:`torture.load`), 2 relays, 2 consumers of one group, a consumer of a second
+group that applies the events the first group's handlers chain (:mod:`torture.chain`) and (with
+``--run-worker``) 2 run workers as separate processes; kill them at random and at every fault
+point, pause consumers and workers (most pauses outlast their lease), break Redis and the
+database on a schedule, take the handlers' downstream down for ``--outage-s`` seconds; then let
+everything settle, check (:mod:`torture.check`), print a table and write JSON. Exit status 1 on
+any violation.
 
 Retention runs during the whole torture unless ``--no-retention``: :data:`AGGRESSIVE` trims
 every stream down to what some group still needs each second and prunes delivered rows after
@@ -31,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from sqlalchemy import Engine, create_engine, func, select, text
+from sqlalchemy.exc import DBAPIError
 
 from outbox_relay.producer import Producer
 from outbox_relay.relay import entry_ids
@@ -48,7 +52,7 @@ from torture.brokers import (
     SingleRedis,
     last_generated_id,
 )
-from torture.chaos import Chaos, Plan, terminate_backends_by_app_name
+from torture.chaos import Chaos, Plan, Tally, terminate_backends_by_app_name
 from torture.procs import Child, base_env, outbox_argv
 
 log = logging.getLogger("torture")
@@ -56,7 +60,11 @@ log = logging.getLogger("torture")
 PG_ADMIN_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 GROUP = "torture"
 EVENTS_STREAM = "events"
-STREAMS = (EVENTS_STREAM, "runs")
+STREAMS = (EVENTS_STREAM, "runs")  # read by GROUP
+ALL_STREAMS = (*STREAMS, app.CHAIN_STREAM)  # app.CHAIN_STREAM is read by app.CHAIN_GROUP
+READS = {GROUP: frozenset(STREAMS), app.CHAIN_GROUP: frozenset({app.CHAIN_STREAM})}
+CONSUMER_LEASE_MS = 3000  # consumers' and workers' OUTBOX_LEASE_TTL_MS; pauses outlast it
+FLOWING = 20  # the outage starts once GROUP received this many events
 PARTITIONS = 4
 OUT = Path(__file__).with_name("out") / "report.json"
 WORKER_GROUP = "workers"
@@ -117,6 +125,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--wait-replicas", type=int, default=0,
                    help="OUTBOX_WAIT_REPLICAS of the relays (cluster/sentinel): with 1, no entry "
                    "marked delivered may be missing from a promoted replica")
+    p.add_argument("--outage-s", type=float, default=None,
+                   help="seconds the handlers' downstream is down mid-run (default 150, "
+                   "--quick 15; 0: no outage)")
     p.add_argument("--soak", action="store_true",
                    help="soak instead of torture: no faults, a steady --rate for --duration "
                    "seconds, table sizes and stream lengths sampled (torture/soak.py)")
@@ -127,6 +138,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for name, value in DEFAULTS[mode].items():
         if getattr(args, name) is None:
             setattr(args, name, value)
+    if args.outage_s is None:
+        args.outage_s = 15.0 if args.quick else 150.0
     return args
 
 
@@ -147,15 +160,21 @@ def make_plan(args: argparse.Namespace) -> Plan:
     """The fault plan. The producer's rate is per enqueued event (about ``--rate`` calls a
     second): at 0.004 it dies every few seconds, and lives long enough between deaths for its
     writer threads to collide on shared aggregates. With retention, a quick run lasts 45 s so
-    that receipts outlive the 30 s inbox retention and are pruned while the faults go on."""
+    that receipts outlive the 30 s inbox retention and are pruned while the faults go on.
+    A consumer or worker is paused every few seconds (two of three pauses outlast
+    :data:`CONSUMER_LEASE_MS`); the downstream outage starts 10 s in (30 s in a full run), or
+    later once :data:`FLOWING` events were received, and the faults go on until it is over."""
+    lease_s = CONSUMER_LEASE_MS / 1000
     if args.quick:
         return Plan(duration_s=45 if args.retention else 25, kills=0, max_s=120,
                     rates={"relay": 0.5, "consumer": 0.5, "producer": 0.004, "worker": 0.3},
                     random_kill_every_s=2.5, broker_every_s=7.0, db_every_s=6.0,
-                    unarmed_share=0.0)
+                    unarmed_share=0.0, pause_every_s=4.0, lease_s=lease_s,
+                    outage_at_s=10.0, outage_s=args.outage_s)
     return Plan(duration_s=args.duration, kills=args.kills, max_s=args.max_duration,
                 rates={"relay": 0.15, "consumer": 0.25, "producer": 0.004, "worker": 0.15},
-                random_kill_every_s=1.0, broker_every_s=15.0, db_every_s=8.0)
+                random_kill_every_s=1.0, broker_every_s=15.0, db_every_s=8.0,
+                pause_every_s=5.0, lease_s=lease_s, outage_at_s=30.0, outage_s=args.outage_s)
 
 
 @contextmanager
@@ -182,11 +201,13 @@ def children(env: dict[str, str], log_dir: Path, seed: int, workers: bool,
     relay_env = {"OUTBOX_LEASE_TTL_MS": "5000", "OUTBOX_BATCH_SIZE": "50",
                  "OUTBOX_REDIS_TIMEOUT_S": "1.0", "OUTBOX_POLL_MAX_MS": "200",
                  "OUTBOX_WAIT_REPLICAS": str(wait_replicas), "OUTBOX_WAIT_TIMEOUT_MS": "500"}
+    # No max_deliveries (0, the default): an event retried through the outage may be
+    # delivered more than 100 times; only the retry horizon (6 h) dead-letters.
     consumer_env = {"OUTBOX_GROUP": GROUP, "OUTBOX_STREAMS": ",".join(STREAMS),
                     "OUTBOX_BLOCK_MS": "200", "OUTBOX_REDIS_TIMEOUT_S": "1.5",
                     "OUTBOX_CLAIM_IDLE_MS": "3000", "OUTBOX_CLAIM_INTERVAL_MS": "1000",
-                    "OUTBOX_MAX_DELIVERIES": "100", "OUTBOX_BATCH_SIZE": "50",
-                    "OUTBOX_LEASE_TTL_MS": "3000", "TORTURE_FAIL_PERCENT": "2",
+                    "OUTBOX_MAX_DELIVERIES": "0", "OUTBOX_BATCH_SIZE": "50",
+                    "OUTBOX_LEASE_TTL_MS": str(CONSUMER_LEASE_MS), "TORTURE_FAIL_PERCENT": "2",
                     # Each killed consumer fails an event's first call again, and the attempts
                     # are durable: cap the backoff so the quick run settles in its time.
                     "OUTBOX_RETRY_FIRST_DELAY_S": "0.2", "OUTBOX_RETRY_MAX_DELAY_S": "2"}
@@ -201,6 +222,12 @@ def children(env: dict[str, str], log_dir: Path, seed: int, workers: bool,
                           outbox_argv("consume", "--app", "torture.app:handlers"),
                           {**env, **consumer_env, "OUTBOX_CONSUMER": f"c{i}"}, log_dir,
                           seed=seed))
+    chain_env = {**consumer_env, "OUTBOX_GROUP": app.CHAIN_GROUP,
+                 "OUTBOX_STREAMS": app.CHAIN_STREAM}
+    # One consumer of the chained group: the hop must stay cheap (the quick run's time budget).
+    made.append(Child("chain-0", "consumer",
+                      outbox_argv("consume", "--app", "torture.app:handlers"),
+                      {**env, **chain_env, "OUTBOX_CONSUMER": "k0"}, log_dir, seed=seed))
     if workers:
         worker_env = {**consumer_env, "OUTBOX_GROUP": WORKER_GROUP, "OUTBOX_STREAMS": "runs",
                       "OUTBOX_RUN_LEASE_TTL_MS": "3000", "OUTBOX_RUN_HEARTBEAT_MS": "500",
@@ -227,14 +254,16 @@ def runs_open(engine: Engine, workers: bool) -> int:
 
 
 def settled(engine: Engine, client: Any, prefix: str, workers: bool,
-            streams: tuple[str, ...] = STREAMS) -> bool:
-    """Nothing undelivered, every event of the ledger received by the group (pruned receipts
-    count), nothing pending or unread."""
+            streams: tuple[str, ...] = ALL_STREAMS) -> bool:
+    """Nothing undelivered, every event of the ledger received by each group that reads its
+    stream (:data:`READS`; pruned receipts count), nothing pending or unread."""
     with engine.connect() as conn:
         undelivered = conn.execute(
             select(func.count()).where(outbox.c.delivered_at_ms.is_(None))
         ).scalar_one()
-    if undelivered or ledger.unreceived(engine, GROUP) or runs_open(engine, workers):
+    if undelivered or runs_open(engine, workers) or any(
+            ledger.unreceived(engine, group, stream)
+            for group, read in READS.items() for stream in read):
         return False
     stream_keys = [keys.stream_key(prefix, s, p) for s in streams for p in range(PARTITIONS)]
     return not any(check.pending_total(client, k) or check.lag_total(client, k)
@@ -242,7 +271,7 @@ def settled(engine: Engine, client: Any, prefix: str, workers: bool,
 
 
 def retention_report(engine: Engine, client: Any, prefix: str,
-                     streams: tuple[str, ...] = STREAMS) -> dict[str, Any]:
+                     streams: tuple[str, ...] = ALL_STREAMS) -> dict[str, Any]:
     """What retention removed (the ledger next to the tables, the trim floors' counts) and
     what Redis holds now."""
     stream_keys = [keys.stream_key(prefix, s, p) for s in streams for p in range(PARTITIONS)]
@@ -275,25 +304,35 @@ def run_one(kind: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
                    "OUTBOX_KEY_PREFIX": prefix, "OUTBOX_PARTITIONS": str(PARTITIONS),
                    "OUTBOX_LOG_LEVEL": "WARNING", "TORTURE_RATE": str(args.rate),
                    "TORTURE_WRITERS": str(args.writers), "TORTURE_HOLD_MS": str(args.hold_ms),
+                   "TORTURE_OUTAGE_FILE": str(workdir / "downstream-down"),
+                   "TORTURE_CHAIN": "1",
                    **retention_env(args.retention)}
             kids = children(env, workdir / "logs", seed, args.run_worker, args.wait_replicas)
             terminate = None
             if kind == "postgresql":
                 admin = create_engine(args.pg_url)
                 terminate = terminate_backends_by_app_name(admin, f"outbox-torture_{tag}")
-            chaos = Chaos(plan, kids, server, seed=seed, terminate_backends=terminate)
+            # The chaos loop's own reads: on SQLite without BEGIN IMMEDIATE (WAL: a reader never
+            # waits for the write lock, which a paused daemon may hold).
+            reader = create_engine(url) if kind == "sqlite" else engine
+            chaos = Chaos(plan, kids, server, seed=seed, terminate_backends=terminate,
+                          outage_file=workdir / "downstream-down",
+                          flowing=lambda: received(reader, GROUP) >= FLOWING,
+                          felt=lambda: outage_failures(kids) > 0)
             started = time.monotonic()
             log.info("%s: faults start (work dir %s)", kind, workdir)
             tally = chaos.run()
             fault_s = time.monotonic() - started
             settle_s = _settle(kids, engine, server, prefix, tally.unexpected_exits,
                                args.run_worker)
-            verdict = check.verify(engine, server.client(), prefix, [GROUP],
+            verdict = check.verify(engine, server.client(), prefix, list(READS),
                                    check_runs=args.run_worker,
                                    worker_group=WORKER_GROUP if args.run_worker else None,
-                                   retention=retention_of(env))
+                                   retention=retention_of(env), reads=READS,
+                                   chain=(GROUP, app.CHAIN_GROUP))
             retained = retention_report(engine, server.client(), prefix)
             engine.dispose()
+            reader.dispose()
     finally:
         for child in kids:
             child.stop()
@@ -303,7 +342,9 @@ def run_one(kind: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
     resurrected = sum(c.resurrected_entries() for c in kids if c.kind in ("consumer", "worker"))
     handler_failures = sum(c.handler_failures(app.TransientError.__name__)
                            for c in kids if c.kind == "consumer")
+    outage_failed = outage_failures(kids)
     violations = verdict.violations(runs_must_finish=args.run_worker)
+    violations += plan_violations(plan, tally, outage_failed, verdict.chained_applied)
     missing = [p for p in chaos.points if not tally.kills[p]]
     violations += [f"never_killed_at:{p}" for p in missing]
     violations += [f"unexpected_exit:{e}" for e in tally.unexpected_exits]
@@ -323,6 +364,10 @@ def run_one(kind: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
         "infra_faults": dict(sorted(tally.faults.items())), "repaired_entries": repaired,
         "resurrected_entries": resurrected,
         "handler_failures": handler_failures,
+        "pauses": tally.pauses, "pauses_past_lease": tally.pauses_past_lease,
+        "pauses_short": tally.pauses_short, "pauses_killed": tally.pauses_killed,
+        "paused_by_kind": dict(sorted(tally.paused_by_kind.items())),
+        "outage_seconds": round(tally.outage_seconds, 1), "outage_failures": outage_failed,
         "redis": args.redis, "wait_replicas": args.wait_replicas,
         "failovers": failovers.failovers, "lacked_after_failover": lacked,
         "lacked_per_failover": failovers.lacked, "failovers_unmeasured": failovers.unmeasured,
@@ -338,6 +383,38 @@ def run_one(kind: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
     else:
         report["work_dir"] = str(workdir)
     return report
+
+
+def received(engine: Engine, group: str) -> int:
+    """:func:`torture.ledger.received`, 0 while the database does not answer."""
+    try:
+        return ledger.received(engine, group)
+    except DBAPIError:
+        return 0
+
+
+def outage_failures(kids: list[Child]) -> int:
+    """Handler calls the consumers logged as failed with the outage's error."""
+    return sum(c.handler_failures(app.DownstreamDown.__name__)
+               for c in kids if c.kind == "consumer")
+
+
+def plan_violations(plan: Plan, tally: Tally, outage_failures: int, chained_applied: int
+                    ) -> list[str]:
+    """What the plan promised and the run must show: pauses past the lease (and shorter ones),
+    an outage that ran its length and failed handler calls, chained events applied."""
+    found = []
+    if plan.pause_every_s and not tally.pauses_past_lease:
+        found.append("never_paused_past_lease")
+    if plan.pause_every_s and not tally.pauses_short:
+        found.append("never_paused_briefly")
+    if plan.outage_s > 0 and tally.outage_seconds < plan.outage_s:
+        found.append(f"outage_cut_short:{tally.outage_seconds:.1f}s")
+    if plan.outage_s > 0 and not outage_failures:
+        found.append("outage_failed_no_call")
+    if not chained_applied:
+        found.append("nothing_chained")
+    return found
 
 
 class LedgerProbe:
@@ -429,7 +506,7 @@ def broker(
 ) -> Broker:
     """The Redis of one run (torture/brokers.py), its failovers probed through the ledger;
     without WAIT a failover must find its burst marked (else it is called off and retried)."""
-    stream_keys = [keys.stream_key(prefix, s, p) for s in STREAMS for p in range(PARTITIONS)]
+    stream_keys = [keys.stream_key(prefix, s, p) for s in ALL_STREAMS for p in range(PARTITIONS)]
     if mode == "single":
         return SingleRedis(workdir, stream_keys, LedgerProbe(engine, prefix), plan.stall_s)
     kind = ClusterRedis if mode == "cluster" else SentinelRedis

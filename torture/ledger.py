@@ -194,6 +194,13 @@ def unreceived(engine: Engine, group: str, stream: str | None = None) -> int:
                    .scalar_one())
 
 
+def received(engine: Engine, group: str) -> int:
+    """Events ``group`` has had a receipt for (pruned receipts count)."""
+    with engine.connect() as conn:
+        return int(conn.execute(select(func.count()).select_from(receipts)
+                                .where(receipts.c.group_name == group)).scalar_one())
+
+
 def sizes(engine: Engine) -> dict[str, int]:
     """Row counts of the daemons' tables next to the ledger's: what retention removed."""
     with engine.connect() as conn:

@@ -92,12 +92,24 @@ class Child:
             self.proc.kill()
             self.proc.wait()
 
+    def pause(self) -> None:
+        """SIGSTOP the current incarnation (:meth:`resume` wakes it)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """SIGCONT the current incarnation (harmless if it was not stopped)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+
     def stop(self, timeout: float = 20.0) -> int | None:
-        """SIGTERM, wait, SIGKILL if it does not go; its exit status."""
+        """SIGTERM (and SIGCONT, should it be paused), wait, SIGKILL if it does not go; its
+        exit status."""
         if self.proc is None:
             return None
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
+            self.proc.send_signal(signal.SIGCONT)
             try:
                 self.proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:

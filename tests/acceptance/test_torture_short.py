@@ -8,6 +8,12 @@ open) and handlers fail transiently; the verdict must be clean, every created ru
 order kept: no stream or apply-order violation, no ``out_of_order`` letter, no strict event
 skipped (design.md flow 3, invariant 6).
 
+Consumers and workers are paused (SIGSTOP/SIGCONT), most of the time for longer than their
+3 s lease (issue 21). The handlers' downstream is down for 15 s mid-run: every call fails, and
+afterwards every event is applied once, in order, with no dead letter (invariant 9). A quarter
+of the ``item.changed`` events chain one hop: their handler enqueues an ``item.relayed`` event
+on its claim connection, which a second group applies; the ledger checks the chain end to end.
+
 Retention runs throughout (the harness's default, ``torture.harness.AGGRESSIVE``): streams are
 trimmed each second down to what a group still needs, delivered rows pruned after 20 s and
 receipts after 30 s; the run must show that they deleted (rows and receipts pruned, entries
@@ -54,6 +60,14 @@ def test_quick_torture_on_both_databases_loses_duplicates_and_reorders_nothing(
         assert run["out_of_order"] == run["skipped"] == run["not_applied"] == 0
         assert run["strict_events"] > 0  # the concurrent writers' strict types were tested
         assert run["handler_failures"] > 0  # and some handler calls failed, then retried
+        # Pauses outlasting the consumer lease, and shorter ones (issue 21).
+        assert run["pauses_past_lease"] >= 1 and run["pauses_short"] >= 1, run["pauses"]
+        # The downstream outage: calls failed throughout, nothing dead (issue 22).
+        assert run["outage_seconds"] >= 15 and run["outage_failures"] > 0
+        assert run["dead_letters"] == 0
+        # The chained hop, end to end.
+        assert run["chained_events"] == run["chain_sources"] == run["chained_applied"] > 0
+        assert run["chain_missing"] == run["chain_orphans"] == 0
         for kind in KILLED_KINDS:
             for point in POINTS_BY_KIND[kind]:
                 assert run["kills"].get(point, 0) >= 1, (run["database"], point)

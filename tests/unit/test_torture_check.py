@@ -50,15 +50,17 @@ class World:
     client: Any
     events: dict[str, tuple[Any, ...]] = field(default_factory=dict)
     entry_ids: dict[str, str] = field(default_factory=dict)
+    streams: dict[str, str] = field(default_factory=dict)  # event id: its stream key
 
     def event(self, event_id: str, type_: str, agg_type: str | None, agg_id: str | None,
               revision: int | None, *, entry_id: str | None = None,
-              delivered_at_ms: int = 2) -> None:
+              delivered_at_ms: int = 2, stream: str = "events") -> None:
         """Enqueue the event, then (with ``entry_id``) mark it delivered under that id."""
         self.events[event_id] = (event_id, type_, agg_type, agg_id, revision)
+        self.streams[event_id] = keys.stream_key(PREFIX, stream, 0)
         with self.engine.begin() as conn:
             conn.execute(outbox.insert().values(
-                event_id=event_id, stream="events", partition=0, type=type_,
+                event_id=event_id, stream=stream, partition=0, type=type_,
                 aggregate_type=agg_type, aggregate_id=agg_id, revision=revision,
                 source="test", payload="null", headers="{}", created_at_ms=1,
                 available_at_ms=1,
@@ -79,7 +81,8 @@ class World:
         if agg_id is not None:
             fields |= {"aggregatetype": agg_type, "aggregateid": agg_id,
                        "revision": str(revision)}
-        self.client.xadd(KEY, fields, id=entry_id or self.entry_ids[event_id])
+        self.client.xadd(self.streams[event_id], fields,
+                         id=entry_id or self.entry_ids[event_id])
 
     def receipt(self, event_id: str, outcome: str = "applied", reason: str | None = None,
                 group: str = GROUP, entry_id: str | None = None, created_at_ms: int = 1,
@@ -89,7 +92,8 @@ class World:
             conn.execute(inbox.insert().values(
                 group_name=group, event_id=event_id, event_type=type_,
                 aggregate_type=agg_type, aggregate_id=agg_id, revision=revision,
-                stream_key=KEY, entry_id=entry_id or self.entry_ids.get(event_id, "1-1"),
+                stream_key=self.streams[event_id],
+                entry_id=entry_id or self.entry_ids.get(event_id, "1-1"),
                 outcome=outcome, reason=reason, created_at_ms=created_at_ms,
             ))
 
@@ -572,3 +576,103 @@ def test_the_ledger_triggers_record_every_change(engine: Engine) -> None:
     sizes = ledger.sizes(engine)
     assert (sizes["outbox_rows_pruned"], sizes["receipts_pruned"], sizes["heads_pruned"],
             sizes["trimmed_recorded"]) == (1, 1, 1, 1)
+
+
+# -- the chained hop (torture/chain.py) -----------------------------------------------------------
+
+CHAIN = app.CHAIN_GROUP
+SOURCE = next(f"item-1:item.changed:{r}" for r in range(3, 500)
+              if app.chains("item.changed", f"item-1:item.changed:{r}"))
+SOURCE_REVISION = int(SOURCE.rsplit(":", 1)[1])
+CHAINED = app.chained_id(SOURCE)
+
+
+def chained_world(w: World, *, enqueue_chained: bool = True, revision: int = SOURCE_REVISION,
+                  ) -> None:
+    """The clean world plus a source event (applied by the torture group) and, unless told
+    otherwise, its chained event on the chained stream, applied by the chain group."""
+    w.event(SOURCE, "item.changed", "item", "item-1", SOURCE_REVISION, entry_id="200-1")
+    if enqueue_chained:
+        w.event(CHAINED, app.CHAIN_TYPE, "item", "item-1", revision, entry_id="300-1",
+                stream=app.CHAIN_STREAM)
+    all_in_stream(w)
+    for event_id, *_ in EVENTS:
+        w.apply(event_id)
+    w.apply(SOURCE)
+
+
+def verify_chain(w: World) -> check.Verdict:
+    return check.verify(w.engine, w.client, PREFIX, [GROUP, CHAIN], check_runs=False,
+                        reads={GROUP: frozenset({"events"}),
+                               CHAIN: frozenset({app.CHAIN_STREAM})},
+                        chain=(GROUP, CHAIN))
+
+
+def test_only_some_item_changes_are_chain_sources() -> None:
+    ids = [f"item-{k}:item.changed:{r}" for k in range(10) for r in range(1, 41)]
+    share = sum(app.chains("item.changed", i) for i in ids) / len(ids)
+    assert 0.1 < share < 0.4
+    assert not any(app.chains(t, SOURCE) for t in ("item.noted", "item.touched", app.CHAIN_TYPE))
+    assert app.source_of(CHAINED) == SOURCE and app.source_of(SOURCE) is None
+
+
+def test_a_clean_chain_passes_and_each_group_is_judged_on_its_streams(world: World) -> None:
+    chained_world(world)
+    world.receipt(CHAINED, group=CHAIN)
+    world.effect(CHAINED, group=CHAIN)
+    v = verify_chain(world)
+    assert broken(v) == {}
+    assert (v.chain_sources, v.chained_events, v.chained_applied) == (1, 1, 1)
+
+
+def test_a_source_applied_without_its_chained_event_is_a_violation(world: World) -> None:
+    chained_world(world, enqueue_chained=False)
+    v = verify_chain(world)
+    assert broken(v) == {"chain_missing": 1}
+    assert (v.chain_sources, v.chained_events) == (1, 0)
+
+
+def test_a_chained_event_whose_source_was_not_applied_is_an_orphan(world: World) -> None:
+    chained_world(world)
+    with world.engine.begin() as conn:  # the source's receipt says it was not applied
+        conn.execute(update(inbox).where(inbox.c.event_id == SOURCE)
+                     .values(outcome="dead", reason="rejected"))
+    world.receipt(CHAINED, group=CHAIN)
+    world.effect(CHAINED, group=CHAIN)
+    v = verify_chain(world)
+    assert broken(v) == {"chain_orphans": 1, "skipped": 1, "not_applied": 1}
+    assert v.chain_sources == 0
+
+
+def test_a_chained_event_of_another_revision_is_an_orphan(world: World) -> None:
+    chained_world(world, revision=SOURCE_REVISION + 1)
+    world.receipt(CHAINED, group=CHAIN)
+    world.effect(CHAINED, group=CHAIN)
+    assert broken(verify_chain(world)) == {"chain_orphans": 1}
+
+
+def test_a_chained_event_without_any_source_is_an_orphan(world: World) -> None:
+    chained_world(world)
+    stray = app.chained_id("item-1:item.changed:999")
+    world.event(stray, app.CHAIN_TYPE, "item", "item-1", 999, entry_id="300-2",
+                stream=app.CHAIN_STREAM)
+    world.entry(stray)
+    for event_id in (CHAINED, stray):
+        world.receipt(event_id, group=CHAIN)
+        world.effect(event_id, group=CHAIN)
+    assert broken(verify_chain(world)) == {"chain_orphans": 1}
+
+
+def test_a_chained_event_the_second_group_applied_twice_or_never_is_a_violation(
+    world: World,
+) -> None:
+    chained_world(world)
+    v = verify_chain(world)
+    assert broken(v) == {"missing_receipts": 1}
+    assert v.chained_applied == 0
+    world.receipt(CHAINED, group=CHAIN)
+    world.effect(CHAINED, group=CHAIN)
+    world.effect(CHAINED, group=CHAIN)
+    v = verify_chain(world)
+    assert broken(v) == {"duplicate_effects": 1}
+    assert v.chained_applied == 0
