@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import os
 import zlib
+from collections.abc import Callable
 
 from sqlalchemy import (
     BigInteger,
@@ -47,6 +48,7 @@ from sqlalchemy import (
     String,
     Table,
 )
+from sqlalchemy.ext.asyncio import AsyncConnection
 
 from outbox_relay.consumer import Handlers
 from outbox_relay.producer import Producer
@@ -162,9 +164,33 @@ def handlers(settings: ConsumerSettings) -> Handlers:
         )
 
     registry = Handlers()
+    if os.environ.get("TORTURE_HANDLER_STYLE") == "async-batch":
+        _register_async_batch(registry, record)
+        return registry
     for event_type in sorted(STRICT_TYPES):
         registry.register(event_type, record, ordering="strict")
     for event_type in sorted(LATEST_TYPES):
         registry.register(event_type, record, ordering="latest")
     registry.register("*", record, ordering="latest")
     return registry
+
+
+def _register_async_batch(registry: Handlers,
+                          record: Callable[[Connection, Event], None]) -> None:
+    """The same work through the other handler kinds (``TORTURE_HANDLER_STYLE=async-batch``):
+    the strict types by an async *batch* handler, the others by async handlers, each calling
+    ``record`` on the claim's connection, so the claim runs on an async engine and strict
+    events go through batch calls and their one-event fallback."""
+
+    async def one(conn: AsyncConnection, event: Event) -> None:
+        await conn.run_sync(record, event)
+
+    async def batch(conn: AsyncConnection, events: list[Event]) -> None:
+        for event in events:
+            await conn.run_sync(record, event)
+
+    for event_type in sorted(STRICT_TYPES):
+        registry.register_batch(event_type, batch, ordering="strict")
+    for event_type in sorted(LATEST_TYPES):
+        registry.register(event_type, one, ordering="latest")
+    registry.register("*", one, ordering="latest")

@@ -218,10 +218,12 @@ def children(env: dict[str, str], log_dir: Path, seed: int, workers: bool,
                           {**env, **relay_env, "OUTBOX_NODE_ID": f"relay-{i}"}, log_dir,
                           seed=seed))
     for i in range(2):
+        # consumer-1 applies the same work with async and batch handlers (torture/app.py)
+        style = {"TORTURE_HANDLER_STYLE": "async-batch"} if i == 1 else {}
         made.append(Child(f"consumer-{i}", "consumer",
                           outbox_argv("consume", "--app", "torture.app:handlers"),
-                          {**env, **consumer_env, "OUTBOX_CONSUMER": f"c{i}"}, log_dir,
-                          seed=seed))
+                          {**env, **consumer_env, **style, "OUTBOX_CONSUMER": f"c{i}"},
+                          log_dir, seed=seed))
     chain_env = {**consumer_env, "OUTBOX_GROUP": app.CHAIN_GROUP,
                  "OUTBOX_STREAMS": app.CHAIN_STREAM}
     # One consumer of the chained group: the hop must stay cheap (the quick run's time budget).
