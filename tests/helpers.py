@@ -258,3 +258,19 @@ def outbox_row(**overrides: Any) -> OutboxRow:
     }
     values.update(overrides)
     return OutboxRow(**values)
+
+
+def deliveries(events: list[Event], key: str = "k") -> list[Any]:
+    """``events`` as a claim's batch (``inbox.Delivery``), entry ids ``1-0``, ``1-1`` …"""
+    from outbox_relay.consumer import inbox
+
+    return [inbox.Delivery(key, f"1-{i}", ev, 1) for i, ev in enumerate(events)]
+
+
+def receipt_outcomes(engine: Engine) -> dict[str, str]:
+    """Every receipt's outcome by event id (any group)."""
+    from outbox_relay.shared.schema import inbox as inbox_table
+
+    with engine.connect() as conn:
+        rows = conn.execute(select(inbox_table.c.event_id, inbox_table.c.outcome))
+        return {event_id: outcome for event_id, outcome in rows}

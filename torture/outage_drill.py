@@ -36,9 +36,7 @@ import urllib.error
 import urllib.request
 import uuid
 from collections import defaultdict
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -52,10 +50,8 @@ from sqlalchemy import (
     MetaData,
     String,
     Table,
-    create_engine,
     func,
     select,
-    text,
 )
 
 from outbox_relay.consumer import Handlers
@@ -64,6 +60,7 @@ from outbox_relay.shared import db, keys
 from outbox_relay.shared.envelope import Event
 from outbox_relay.shared.schema import inbox
 from outbox_relay.shared.settings import ConsumerSettings
+from torture import harness
 from torture.procs import Child, RedisServer, base_env, free_port, outbox_argv
 
 log = logging.getLogger("torture.outage_drill")
@@ -160,24 +157,6 @@ def produce(engine: Engine, events: int, aggregates: int, rate: float) -> thread
     return thread
 
 
-@contextmanager
-def database(kind: str, workdir: Path) -> Iterator[str]:
-    """A fresh database URL: a SQLite file, or a PostgreSQL schema dropped afterwards."""
-    if kind == "sqlite":
-        yield f"sqlite:///{workdir}/drill.db"
-        return
-    schema = f"drill_{uuid.uuid4().hex[:10]}"
-    admin = create_engine(PG_ADMIN_URL)
-    with admin.begin() as conn:
-        conn.execute(text(f'CREATE SCHEMA "{schema}"'))
-    try:
-        yield f"{PG_ADMIN_URL}?options=-csearch_path%3D{schema}"
-    finally:
-        with admin.begin() as conn:
-            conn.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
-        admin.dispose()
-
-
 def status(env: dict[str, str]) -> dict[str, Any] | None:
     """This group's entry of ``outbox status --json``'s ``retries`` ({} when none wait);
     None when the command failed."""
@@ -254,7 +233,8 @@ def run_one(kind: str, args: argparse.Namespace) -> dict[str, Any]:
     prefix = f"drill{uuid.uuid4().hex[:8]}"
     metrics_port = free_port()
     try:
-        with database(kind, workdir) as url:
+        with harness.database(kind, workdir, PG_ADMIN_URL, f"drill_{uuid.uuid4().hex[:10]}",
+                              keep=False) as url:
             server.start()
             env = {**base_env(), "OUTBOX_DATABASE_URL": url, "OUTBOX_REDIS_URL": server.url,
                    "OUTBOX_KEY_PREFIX": prefix, "OUTBOX_PARTITIONS": str(PARTITIONS),

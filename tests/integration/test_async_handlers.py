@@ -18,15 +18,16 @@ from outbox_relay.consumer.handlers import Handlers
 from outbox_relay.consumer.retry import PermanentError, Retry
 from outbox_relay.shared.envelope import Event
 from outbox_relay.shared.errors import ConfigError
-from outbox_relay.shared.schema import inbox as inbox_table
 from outbox_relay.shared.schema import outbox as outbox_table
 from tests.helpers import (
     consumer_settings,
     create_effects,
+    deliveries,
     effect_counts,
     effects,
     event,
     pending_total,
+    receipt_outcomes,
     record_effect,
     wait_until,
     xadd_event,
@@ -41,14 +42,6 @@ def _close_async_engines() -> Iterator[None]:
     async_handlers.close()
 
 
-def deliveries(events: list[Event]) -> list[inbox.Delivery]:
-    return [inbox.Delivery("k", f"1-{i}", ev, 1) for i, ev in enumerate(events)]
-
-
-def outcomes_of(engine: Engine) -> dict[str, str]:
-    with engine.connect() as conn:
-        rows = conn.execute(select(inbox_table.c.event_id, inbox_table.c.outcome))
-        return {event_id: outcome for event_id, outcome in rows}
 
 
 async def write(conn: AsyncConnection, ev: Event) -> None:
@@ -71,7 +64,7 @@ def test_an_async_handler_writes_in_the_claim_transaction(engine: Engine) -> Non
     assert [o.outcome for o in outcomes] == [inbox.APPLIED] * 5
     assert seen == [AsyncConnection] * 5
     assert effect_counts(engine) == {ev.id: 1 for ev in events}
-    assert outcomes_of(engine) == {ev.id: inbox.APPLIED for ev in events}
+    assert receipt_outcomes(engine) == {ev.id: inbox.APPLIED for ev in events}
     # Claimed again: duplicates, nothing written twice.
     again = inbox.claim(engine, "g", deliveries(events), handlers)
     assert [o.outcome for o in again] == [inbox.DUPLICATE] * 5
@@ -195,10 +188,10 @@ def test_the_consumer_daemon_runs_async_handlers_end_to_end(
     consumer = Consumer(settings, engine, redis_client, handlers)
     for ev in events:
         xadd_event(redis_client, key_prefix, ev)
-    wait_until(lambda: consumer.run_once() >= 0 and len(outcomes_of(engine)) == len(events),
+    wait_until(lambda: consumer.run_once() >= 0 and len(receipt_outcomes(engine)) == len(events),
                what="every event applied")
     assert effect_counts(engine) == {ev.id: 1 for ev in events}
-    assert set(outcomes_of(engine).values()) == {inbox.APPLIED}
+    assert set(receipt_outcomes(engine).values()) == {inbox.APPLIED}
     assert failed_once == {flaky}
     wait_until(lambda: consumer.run_once() >= 0
                and pending_total(redis_client, key_prefix) == 0, what="all acknowledged")

@@ -8,21 +8,22 @@ from collections.abc import Callable
 
 import pytest
 import redis
-from sqlalchemy import Connection, Engine, insert, select
+from sqlalchemy import Connection, Engine, insert
 
 from outbox_relay.consumer import inbox
 from outbox_relay.consumer.daemon import Consumer
 from outbox_relay.consumer.handlers import Handlers
 from outbox_relay.consumer.retry import PermanentError, Retry
 from outbox_relay.shared.envelope import Event
-from outbox_relay.shared.schema import inbox as inbox_table
 from tests.helpers import (
     consumer_settings,
     create_effects,
+    deliveries,
     effect_counts,
     effects,
     event,
     pending_total,
+    receipt_outcomes,
     record_effect,
     wait_until,
     xadd_event,
@@ -31,14 +32,6 @@ from tests.helpers import (
 pytestmark = pytest.mark.integration
 
 
-def deliveries(events: list[Event]) -> list[inbox.Delivery]:
-    return [inbox.Delivery("k", f"1-{i}", ev, 1) for i, ev in enumerate(events)]
-
-
-def outcomes_of(engine: Engine) -> dict[str, str]:
-    with engine.connect() as conn:
-        rows = conn.execute(select(inbox_table.c.event_id, inbox_table.c.outcome))
-        return {event_id: outcome for event_id, outcome in rows}
 
 
 class BatchRecorder:
@@ -68,7 +61,7 @@ def test_a_batch_handler_gets_the_claims_events_in_one_call(engine: Engine) -> N
     assert [o.outcome for o in outcomes] == [inbox.APPLIED] * 9
     assert recorder.calls == [[ev.id for ev in events]]  # one call, in stream order
     assert effect_counts(engine) == {ev.id: 1 for ev in events}
-    assert outcomes_of(engine) == {ev.id: inbox.APPLIED for ev in events}
+    assert receipt_outcomes(engine) == {ev.id: inbox.APPLIED for ev in events}
 
 
 def test_a_raising_batch_falls_back_to_one_call_per_event(engine: Engine) -> None:
@@ -84,7 +77,7 @@ def test_a_raising_batch_falls_back_to_one_call_per_event(engine: Engine) -> Non
     # The whole batch first, then one call per event: the failing one is isolated.
     assert recorder.calls == [[ev.id for ev in events]] + [[ev.id] for ev in events]
     assert effect_counts(engine) == {ev.id: 1 for ev in events if ev.id != bad}
-    assert bad not in outcomes_of(engine)  # no receipt: it is retried
+    assert bad not in receipt_outcomes(engine)  # no receipt: it is retried
 
 
 def test_a_failing_event_holds_back_its_aggregates_later_events_only(engine: Engine) -> None:
@@ -177,10 +170,10 @@ def test_the_consumer_daemon_applies_a_stream_with_a_batch_handler(
     consumer = Consumer(settings, engine, redis_client, handlers)
     for ev in events:
         xadd_event(redis_client, key_prefix, ev)
-    wait_until(lambda: consumer.run_once() >= 0 and len(outcomes_of(engine)) == len(events),
+    wait_until(lambda: consumer.run_once() >= 0 and len(receipt_outcomes(engine)) == len(events),
                what="every event applied")
     assert effect_counts(engine) == {ev.id: 1 for ev in events}
-    assert set(outcomes_of(engine).values()) == {inbox.APPLIED}
+    assert set(receipt_outcomes(engine).values()) == {inbox.APPLIED}
     assert any(len(call) > 1 for call in recorder.calls)  # batches, not single calls
     wait_until(lambda: consumer.run_once() >= 0
                and pending_total(redis_client, key_prefix) == 0, what="all acknowledged")
