@@ -106,7 +106,7 @@ def cmd_consume(args: argparse.Namespace) -> int:
     from outbox_relay.cli import observe
 
     with observe.consumer(consumer):  # --metrics-port: /metrics, /healthz, /readyz
-        consumer.run()
+        consumer.run(until_idle=args.until_idle)
     return 0
 
 
@@ -166,6 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     consume = _leaf(sub, "consume", "read streams with a consumer group and claim events",
                     WorkerSettings, cmd_consume)
+    consume.add_argument("--until-idle", action="store_true",
+                         help="exit once the group has nothing pending (retries waiting "
+                         "included) or unread on its streams (for scripts and tests)")
     consume.add_argument("--app", default=None,
                          help="your handlers, as module:attribute [env OUTBOX_APP; required] "
                          f"(the demo's run worker: {apps.DEFAULT_APP})")

@@ -156,17 +156,24 @@ class Consumer:
         """SIGTERM and SIGINT stop the loop after the current batch."""
         stop_on_signals(self.stop, log, "batch")
 
-    def run(self) -> ConsumerStats:
+    def run(self, *, until_idle: bool = False) -> ConsumerStats:
         """Consume until stopped, then give the leases back (so others need not wait for them
-        to expire)."""
+        to expire). ``until_idle`` (``outbox consume --until-idle``): also stop after a round
+        that handled nothing when the group has nothing pending (entries waiting for a retry
+        included) and nothing unread on any of its partition streams (:meth:`idle`)."""
         log.info("consumer %s of group %s started", self.name, self.settings.group,
                  extra={"consumer": self.name, "group": self.settings.group})
         try:
             while not self._stop.is_set():
                 self.last_loop = time.monotonic()
                 try:
-                    self.run_once()
+                    handled = self.run_once(block_ms=min(self.settings.block_ms, 200)
+                                            if until_idle else None)
                     self._backoff.reset()
+                    if until_idle and not handled and self.idle():
+                        log.info("consumer %s: group %s has nothing pending or unread; "
+                                 "exiting (--until-idle)", self.name, self.settings.group)
+                        break
                 except UnavailableError as err:
                     self._groups_ready = False
                     self._sleep_backoff(err)
@@ -178,6 +185,11 @@ class Consumer:
         log.info("consumer %s stopped: %s", self.name, self.stats,
                  extra={"consumer": self.name, "group": self.settings.group})
         return self.stats
+
+    def idle(self) -> bool:
+        """Whether the group is done with every partition stream this consumer reads: nothing
+        pending for any consumer of the group, nothing unread (:func:`streams.group_idle`)."""
+        return streams.group_idle(self.client, self.keys, self.settings.group)
 
     def run_once(self, block_ms: int | None = None) -> int:
         """Renew leases when due; a pending pass when due; then one ``XREADGROUP >`` of the

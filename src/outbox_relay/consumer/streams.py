@@ -397,6 +397,33 @@ def group_pending(client: redis.Redis, stream_keys: list[str], group: str) -> di
     return {key: int(reply["pending"]) for key, reply in zip(stream_keys, replies, strict=True)}
 
 
+def group_idle(client: redis.Redis, stream_keys: list[str], group: str) -> bool:
+    """Whether ``group`` has nothing pending (all consumers, retries waiting included) and
+    nothing unread on every one of ``stream_keys`` (``XPENDING`` summaries, ``XINFO GROUPS``
+    and each stream's newest id, pipelined; see :func:`unread`). A stream that does not exist
+    holds nothing; one without the group, or a reply Redis refused, is not idle."""
+    if not stream_keys:
+        return True
+    with translate_redis_errors():
+        pipe = client.pipeline(transaction=False)
+        for key in stream_keys:
+            pipe.exists(key)
+            pipe.xpending(key, group)
+            pipe.xinfo_groups(key)
+            pipe.xrevrange(key, count=1)
+        replies: list[Any] = pipe.execute(raise_on_error=False)
+    for i in range(0, len(replies), 4):
+        exists, pending, groups, newest = replies[i:i + 4]
+        if exists == 0:
+            continue
+        if any(isinstance(r, Exception) for r in (exists, pending, groups, newest)):
+            return False
+        info = next((g for g in groups if text(g["name"]) == group), None)
+        if info is None or int(pending["pending"]) or unread(info, newest) != 0:
+            return False
+    return True
+
+
 def foreign_pending(
     client: redis.Redis, stream_keys: list[str], group: str, consumer: str
 ) -> set[str]:
