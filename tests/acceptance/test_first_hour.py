@@ -207,15 +207,18 @@ def test_the_demo_prints_commands_that_run_without_activating_the_virtualenv(
 
 def test_make_install_says_what_it_does_and_shows_pips_lines(tmp_path: Path) -> None:
     venv = tmp_path / "venv"
-    lines = subprocess.run(["make", "-n", "-B", "install", f"VENV={venv}"], cwd=ROOT,
-                           capture_output=True, text=True, check=True,
-                           env={**os.environ, "CI": ""}).stdout.splitlines()
+    # Run inside `make test` too: a nested make would print "Entering directory" first.
+    plain = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")}
+    lines = subprocess.run(["make", "--no-print-directory", "-n", "-B", "install",
+                            f"VENV={venv}"], cwd=ROOT, capture_output=True, text=True,
+                           check=True, env={**plain, "CI": ""}).stdout.splitlines()
     install = next(i for i, line in enumerate(lines) if "pip install" in line and " -e " in line)
     assert lines[install - 1].startswith("echo ") and "installing" in lines[install - 1]
     assert not {"-q", "--quiet"} & set(shlex.split(lines[install])), lines[install]
     assert lines[0].startswith("echo "), "say what happens before the first (venv) step"
-    ci = subprocess.run(["make", "-n", "-B", "install", f"VENV={venv}", "CI=true"], cwd=ROOT,
-                        capture_output=True, text=True, check=True).stdout
+    ci = subprocess.run(["make", "--no-print-directory", "-n", "-B", "install", f"VENV={venv}",
+                         "CI=true"], cwd=ROOT, capture_output=True, text=True, check=True,
+                        env=plain).stdout
     assert "--progress-bar off" in ci  # one line per package in CI logs, no bars
 
 
