@@ -74,7 +74,7 @@ from torture.order import (
     aggregate_of,
     entry_key,
     order_violations,
-    revision_order_violations,
+    revision_order_breaks,
     superseded_latest,
 )
 
@@ -394,8 +394,16 @@ def _streams(
         for x in events:
             if x.entry_id is not None and x.entry_id not in ordered:
                 ordered[x.entry_id] = (aggregate_of(x), x.revision)
-        v.stream_order_violations += revision_order_violations(
-            (i, a, int(r)) for i, (a, r) in ordered.items() if a is not None and r is not None)
+        _note_order_breaks(v, key, revision_order_breaks(
+            (i, a, int(r)) for i, (a, r) in ordered.items() if a is not None and r is not None))
+
+
+def _note_order_breaks(v: Verdict, key: str,
+                       breaks: list[tuple[str, tuple[str, str], int, int]]) -> None:
+    """Count each stream-order break of ``key`` and keep the first ones as examples."""
+    for entry_id, aggregate, rev, higher in breaks:
+        v.note("stream_order_violations",
+               f"{key} {entry_id}: {aggregate} revision {rev} after revision {higher}")
 
 
 def _pruned_receipts(

@@ -31,14 +31,22 @@ def aggregate_of(row: Any) -> AggregateKey | None:
 def revision_order_violations(entries: Iterable[tuple[str, AggregateKey, int]]) -> int:
     """Of ``(entry id, aggregate, revision)`` of one stream (any order), the entries whose
     revision is below one an earlier entry of the same aggregate already had."""
+    return len(revision_order_breaks(entries))
+
+
+def revision_order_breaks(
+    entries: Iterable[tuple[str, AggregateKey, int]]
+) -> list[tuple[str, AggregateKey, int, int]]:
+    """The entries :func:`revision_order_violations` counts, as ``(entry id, aggregate,
+    revision, the higher revision an earlier entry had)``, in stream order."""
     highest: dict[AggregateKey, int] = {}
-    violations = 0
-    for _, aggregate, rev in sorted(entries, key=lambda e: entry_key(e[0])):
+    breaks = []
+    for entry_id, aggregate, rev in sorted(entries, key=lambda e: entry_key(e[0])):
         if rev < highest.get(aggregate, rev):
-            violations += 1
+            breaks.append((entry_id, aggregate, rev, highest[aggregate]))
         else:
             highest[aggregate] = rev
-    return violations
+    return breaks
 
 
 def superseded_latest(

@@ -676,3 +676,12 @@ def test_a_chained_event_the_second_group_applied_twice_or_never_is_a_violation(
     v = verify_chain(world)
     assert broken(v) == {"duplicate_effects": 1}
     assert v.chained_applied == 0
+
+
+def test_stream_order_breaks_name_the_entry_and_both_revisions() -> None:
+    from torture.order import revision_order_breaks, revision_order_violations
+
+    a, b = ("item", "a"), ("item", "b")
+    entries = [("1-3", a, 1), ("1-1", a, 2), ("1-2", b, 5), ("1-4", b, 6), ("1-5", a, 3)]
+    assert revision_order_breaks(entries) == [("1-3", a, 1, 2)]  # in stream order: 2 then 1
+    assert revision_order_violations(entries) == 1
