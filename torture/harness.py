@@ -196,11 +196,24 @@ def database(kind: str, workdir: Path, pg_url: str, tag: str, keep: bool) -> Ite
         admin.dispose()
 
 
+def declared_groups(workers: bool) -> str:
+    """``OUTBOX_STREAM_GROUPS`` of the relays: each stream with the groups that read it."""
+    pairs = [f"{stream}:{GROUP}" for stream in STREAMS]
+    pairs.append(f"{app.CHAIN_STREAM}:{app.CHAIN_GROUP}")
+    if workers:
+        pairs.append(f"{RUNS_STREAM}:{WORKER_GROUP}")
+    return ",".join(pairs)
+
+
 def children(env: dict[str, str], log_dir: Path, seed: int, workers: bool,
              wait_replicas: int = 0) -> list[Child]:
     relay_env = {"OUTBOX_LEASE_TTL_MS": "5000", "OUTBOX_BATCH_SIZE": "50",
                  "OUTBOX_REDIS_TIMEOUT_S": "1.0", "OUTBOX_POLL_MAX_MS": "200",
-                 "OUTBOX_WAIT_REPLICAS": str(wait_replicas), "OUTBOX_WAIT_TIMEOUT_MS": "500"}
+                 "OUTBOX_WAIT_REPLICAS": str(wait_replicas), "OUTBOX_WAIT_TIMEOUT_MS": "500",
+                 # Every group that must read a stream is declared: the relay creates it, so
+                 # a trim keeps what it has not read even while its processes cannot start
+                 # (workers waiting for the database), as an operator would set it.
+                 "OUTBOX_STREAM_GROUPS": declared_groups(workers)}
     # No max_deliveries (0, the default): an event retried through the outage may be
     # delivered more than 100 times; only the retry horizon (6 h) dead-letters.
     consumer_env = {"OUTBOX_GROUP": GROUP, "OUTBOX_STREAMS": ",".join(STREAMS),

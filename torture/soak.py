@@ -57,12 +57,14 @@ SOAK = {
     "OUTBOX_TRIM_INTERVAL_S": "10", "OUTBOX_RETENTION_DELIVERED": "2m",
     "OUTBOX_RETENTION_INBOX": "3m", "OUTBOX_PRUNE_INTERVAL_S": "10",
     "OUTBOX_CONSUMER_IDLE_S": "5m", "OUTBOX_RETENTION_DEAD_LETTERS": "10m",
+    "OUTBOX_STREAM_GROUPS": f"events:{harness.GROUP}",
 }
 QUICK = {
     "OUTBOX_STREAM_TRIM": "true", "OUTBOX_STREAM_KEEP": "0", "OUTBOX_STREAM_KEEP_S": "5s",
     "OUTBOX_TRIM_INTERVAL_S": "2", "OUTBOX_RETENTION_DELIVERED": "20s",
     "OUTBOX_RETENTION_INBOX": "25s", "OUTBOX_PRUNE_INTERVAL_S": "2",
     "OUTBOX_CONSUMER_IDLE_S": "30s", "OUTBOX_RETENTION_DEAD_LETTERS": "1m",
+    "OUTBOX_STREAM_GROUPS": f"events:{harness.GROUP}",
 }
 FLAT_SERIES = ("outbox_events", "outbox_inbox", "outbox_inbox_heads", "stream_entries",
                "dead_letters", "consumers")

@@ -138,6 +138,43 @@ def test_trim_keeps_the_newest_entries_and_never_trims_a_stream_without_groups(
     assert kept == [i for i in everything if entry_ids.parse(i)[0] >= cut]
 
 
+def test_a_declared_group_holds_the_trim_before_its_consumers_ever_started(
+    engine: Engine, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    """A group whose consumers have not started yet (a worker that cannot reach its database)
+    would otherwise lose what the other groups acknowledged and a trim removed; declared in
+    OUTBOX_STREAM_GROUPS, the relay creates it at 0 and it keeps every entry it has not read."""
+    _enqueue(engine, key_prefix, 0, 200)
+    relay = _relay(engine, redis_client, key_prefix,
+                   stream_groups=f"{STREAM}:late, other:x ,{STREAM}:late")
+    key = _key(key_prefix)
+    redis_client.xgroup_create(key, "early", id="0")
+    assert _read_ack(redis_client, key, "early", 200) == 200
+    everything = _ids(redis_client, key)
+
+    assert relay.trimmer.trim(STREAM, 0, epoch=_epoch(relay)) == 0
+    assert _ids(redis_client, key) == everything
+    groups = {g["name"].decode(): g for g in redis_client.xinfo_groups(key)}
+    assert set(groups) == {"early", "late"}
+    assert groups["late"]["last-delivered-id"].decode() == "0-0"
+
+    # The late group's consumers start (creating the group is a no-op now) and read it all.
+    streams.ensure_groups(redis_client, [key], "late")
+    assert _read_ack(redis_client, key, "late", 200) == 200
+    assert relay.trimmer.trim(STREAM, 0, epoch=_epoch(relay)) == 200
+    assert _ids(redis_client, key) == []
+    with engine.connect() as conn:  # recorded like any seen group: a Redis loss holds on it
+        seen = set(conn.execute(select(stream_groups.c.group_name).where(
+            stream_groups.c.stream == STREAM)).scalars())
+    assert seen == {"early", "late"}
+
+
+@pytest.mark.parametrize("value", ["runs", "runs:", ":workers", "runs:wor kers", "a:b:c"])
+def test_a_malformed_stream_groups_setting_is_a_clear_error(value: str) -> None:
+    with pytest.raises(ValueError, match="stream_groups"):
+        RelaySettings(stream_groups=value)
+
+
 def test_the_periodic_trim_runs_in_the_relay_loop(
     engine: Engine, redis_client: redis.Redis, key_prefix: str
 ) -> None:

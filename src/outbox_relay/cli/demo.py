@@ -120,6 +120,7 @@ def _run(args: argparse.Namespace, settings: CommonSettings, redis_url: str,
         "OUTBOX_KEY_PREFIX": stamp,
         "OUTBOX_PARTITIONS": str(settings.partitions),
         "OUTBOX_GROUP": "demo",
+        "OUTBOX_STREAM_GROUPS": "runs:demo",  # the relay creates the workers' group
         "OUTBOX_LOG_LEVEL": args.log_level or "WARNING",  # children: --log-level to see more
         "OUTBOX_CLAIM_IDLE_MS": "5000",
         "OUTBOX_DEMO_STAGE_MS": str(max(args.stage_ms, 0)),

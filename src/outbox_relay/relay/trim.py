@@ -17,6 +17,10 @@ can move between the decision and the trim:
   or when it has been missing longer than ``OUTBOX_GROUP_FORGET_S`` (1 day: it was deleted on
   purpose; forgotten with a warning). The one window left: a group created less than one trim
   interval before Redis lost its data was never seen, so it is not waited for;
+* a **declared group** (``OUTBOX_STREAM_GROUPS``, e.g. ``runs:workers``) is created at ``0`` by
+  the script when the stream lacks it, before the threshold is taken: it then needs every entry,
+  so nothing is trimmed before its consumers have read it, even if they have never started
+  (a group first created by its consumers after a trim sees only what that trim left);
 * the newest ``stream_keep`` entries and every entry younger than ``stream_keep_s`` are kept
   (for a group created later, and for ``redis-cli`` inspection);
 * every entry of a batch the partition's lease row still records as unsettled is kept: a relay
@@ -61,7 +65,9 @@ log = logging.getLogger(__name__)
 
 # KEYS: stream, fence key. ARGV: epoch, keep (entries), cutoff ms (entries at or after it kept),
 # cap ms ('' for none: entries from this millisecond up belong to an unsettled batch; kept),
-# then the names of the groups known to read the stream (any of them missing: no trim).
+# the number n of declared groups, the n declared groups (created at 0 when absent, so they
+# need every entry), then the names of the groups known to read the stream (any of them
+# missing: no trim).
 # Returns {threshold "<ms>-0" or "" (nothing trimmed), entries trimmed, length after,
 # groups present, known groups missing}; just {'', 0, 0} when the key does not exist.
 # allow-oom: trimming is how a stream gives memory back; refusing it under maxmemory would
@@ -75,15 +81,29 @@ end
 local function below(a_ms, a_seq, b_ms, b_seq)
   return a_ms < b_ms or (a_ms == b_ms and a_seq < b_seq)
 end
-local infos, names, present, missing = {}, {}, {}, {}
-for _, g in ipairs(redis.call('XINFO', 'GROUPS', KEYS[1])) do
-  local info = {}
-  for i = 1, #g, 2 do info[g[i]] = g[i + 1] end
-  infos[#infos + 1] = info
-  names[#names + 1] = info['name']
-  present[info['name']] = true
+local function groups()
+  local infos, names, present = {}, {}, {}
+  for _, g in ipairs(redis.call('XINFO', 'GROUPS', KEYS[1])) do
+    local info = {}
+    for i = 1, #g, 2 do info[g[i]] = g[i + 1] end
+    infos[#infos + 1] = info
+    names[#names + 1] = info['name']
+    present[info['name']] = true
+  end
+  return infos, names, present
 end
-for i = 5, #ARGV do
+local infos, names, present = groups()
+local declared = tonumber(ARGV[5])
+local created = 0
+for i = 6, 5 + declared do
+  if not present[ARGV[i]] then
+    redis.call('XGROUP', 'CREATE', KEYS[1], ARGV[i], '0')
+    created = created + 1
+  end
+end
+if created > 0 then infos, names, present = groups() end
+local missing = {}
+for i = 6 + declared, #ARGV do
   if not present[ARGV[i]] then missing[#missing + 1] = ARGV[i] end
 end
 if #infos == 0 or #missing > 0 then
@@ -151,6 +171,7 @@ class Trimmer:
         self.engine = engine
         self.client = client
         self.stats = TrimStats()
+        self.declared = settings.declared()
 
     def run(self, leases: dict[int, int], streams: set[tuple[str, int]]) -> int:
         """Trim each of ``streams`` (``(stream, partition)``) whose partition is in the given
@@ -196,6 +217,7 @@ class Trimmer:
         s = self.settings
         if known is None:
             known = store.known_groups(self.engine, [partition]).get((stream, partition), {})
+        declared = self.declared.get(stream, [])
         now = now_ms()
         cutoff = now - int(s.stream_keep_s * 1000)
         reply = fence.run_fenced(
@@ -203,7 +225,8 @@ class Trimmer:
             SCRIPT,
             [keys.stream_key(s.key_prefix, stream, partition),
              keys.fence_key(s.key_prefix, stream, partition)],
-            [epoch, s.stream_keep, cutoff, "" if cap_ms is None else cap_ms, *sorted(known)],
+            [epoch, s.stream_keep, cutoff, "" if cap_ms is None else cap_ms,
+             len(declared), *declared, *sorted(known)],
         )
         threshold, trimmed = reply[0], int(reply[1])
         self.stats.trims += 1

@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BeforeValidator, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from outbox_relay.shared.errors import ConfigError
 from outbox_relay.shared.keys import DEFAULT_PREFIX, check_name
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -40,6 +41,27 @@ def parse_duration(value: Any) -> float:
 
 Duration = Annotated[float, BeforeValidator(parse_duration)]
 """Seconds; the environment and flags also accept ``15m``/``2h``/``7d``/``off``."""
+
+
+def declared_groups(value: str) -> dict[str, list[str]]:
+    """``{stream: [group, ...]}`` from ``"runs:workers,orders:billing,orders:shipping"``
+    (``OUTBOX_STREAM_GROUPS``); a malformed pair is a clear validation error."""
+    declared: dict[str, list[str]] = {}
+    for pair in (p.strip() for p in value.split(",")):
+        if not pair:
+            continue
+        stream, sep, group = pair.partition(":")
+        if not sep:
+            raise ValueError(f"{pair!r} is not stream:group (e.g. runs:workers)")
+        try:
+            check_name("stream", stream.strip())
+            check_name("group", group.strip())
+        except ConfigError as err:
+            raise ValueError(str(err)) from None
+        names = declared.setdefault(stream.strip(), [])
+        if group.strip() not in names:
+            names.append(group.strip())
+    return declared
 
 
 class CommonSettings(BaseSettings):
@@ -167,6 +189,25 @@ class RetentionSettings(CommonSettings):
         "lost it; its consumers have not recreated it) holds that stream's trimming; after "
         "this long missing it is taken as deleted on purpose and forgotten; off: never.",
     )
+
+    stream_groups: str = Field(
+        "",
+        description="Groups that must read a stream, as stream:group pairs (comma-separated, "
+        "e.g. runs:workers,orders:billing). The relay creates each at 0 on every partition "
+        "stream of its stream it trims, so the stream keeps what the group has not read even "
+        "before the group's consumers first start; a group created later by its consumers "
+        "sees only what a trim has left.",
+    )
+
+    @field_validator("stream_groups")
+    @classmethod
+    def _valid_stream_groups(cls, value: str) -> str:
+        declared_groups(value)
+        return value
+
+    def declared(self) -> dict[str, list[str]]:
+        """``stream_groups`` parsed: ``{stream: [group, ...]}``."""
+        return declared_groups(self.stream_groups)
 
     @model_validator(mode="after")
     def _receipts_outlive_redelivery(self) -> RetentionSettings:
