@@ -67,6 +67,13 @@ def cmd_db_check(args: argparse.Namespace) -> int:
     return 0
 
 
+def _quiet_flag(parser: argparse.ArgumentParser) -> None:
+    """``--quiet``: no periodic progress line (``--progress-interval-s off``)."""
+    parser.add_argument("--quiet", dest="progress_interval_s", action="store_const",
+                        const="off", help="no periodic progress line (same as "
+                        "--progress-interval-s off); start, stop and problems are still logged")
+
+
 def cmd_relay(args: argparse.Namespace) -> int:
     """Run the relay daemon until SIGTERM/SIGINT."""
     settings = options.load_settings(RelaySettings, args)
@@ -163,12 +170,14 @@ def build_parser() -> argparse.ArgumentParser:
                   cmd_relay)
     relay.add_argument("--until-idle", action="store_true",
                        help="exit once a round finds nothing to deliver (for scripts and tests)")
+    _quiet_flag(relay)
 
     consume = _leaf(sub, "consume", "read streams with a consumer group and claim events",
                     WorkerSettings, cmd_consume)
     consume.add_argument("--until-idle", action="store_true",
                          help="exit once the group has nothing pending (retries waiting "
                          "included) or unread on its streams (for scripts and tests)")
+    _quiet_flag(consume)
     consume.add_argument("--app", default=None,
                          help="your handlers, as module:attribute [env OUTBOX_APP; required] "
                          f"(the demo's run worker: {apps.DEFAULT_APP})")

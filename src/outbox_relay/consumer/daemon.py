@@ -52,6 +52,7 @@ from outbox_relay.shared.db import now_ms
 from outbox_relay.shared.errors import InvalidEventError, UnavailableError
 from outbox_relay.shared.periodic import Periodic, run_due
 from outbox_relay.shared.periodic import shutdown as shutdown_periodic
+from outbox_relay.shared.progress import Progress
 from outbox_relay.shared.settings import ConsumerSettings
 from outbox_relay.shared.signing import Signer
 
@@ -141,12 +142,33 @@ class Consumer:
                      lambda: partition_counts.check(engine, settings.partitions,
                                                     "this consumer", settings.stream_names())),
         ]
+        self._progress = Progress()
+        if settings.progress_interval_s:  # the first line after one interval, not at start
+            self.periodic.append(Periodic(
+                "progress", settings.progress_interval_s, self.log_progress,
+                next_at=time.monotonic() + settings.progress_interval_s))
         # Observation (consumer/metrics.py, cli/observe.py): hooks when metrics are on, and
         # the liveness heartbeat (monotonic seconds at the start of the last iteration).
         self.metrics: ConsumerMetrics | None = None
         self.last_loop = time.monotonic()
         self.hygiene_stats: HygieneStats | None = None  # set by consumer.hygiene.install
         self.prune_stats: PruneStats | None = None  # set by cli/prune.py (retention task)
+
+    def log_progress(self) -> str:
+        """Log (INFO) and return the progress line (shared/progress.py): events applied since
+        the last line and their rate, the total, retries and dead letters since start, the
+        streams held, and the group's pending and unread entries on them."""
+        st = self.stats
+        done, rate = self._progress.since_last(st.applied)
+        held = sorted(self.leases.held)
+        pending, behind = streams.outstanding(self.client, held, self.settings.group)
+        line = (f"consumer {self.name} of group {self.settings.group}: applied {done:,} events "
+                f"({rate:,.1f}/s, {st.applied:,} since start; {st.retried:,} retried, "
+                f"{st.dead:,} dead letters); {len(held)} streams held, {pending:,} pending, "
+                f"{'?' if behind is None else f'{behind:,}'} unread")
+        log.info("%s", line, extra={"consumer": self.name, "group": self.settings.group,
+                                    "applied": done, "pending": pending})
+        return line
 
     def stop(self) -> None:
         """Finish the current batch, then return from :meth:`run`."""

@@ -424,6 +424,38 @@ def group_idle(client: redis.Redis, stream_keys: list[str], group: str) -> bool:
     return True
 
 
+def outstanding(
+    client: redis.Redis, stream_keys: list[str], group: str
+) -> tuple[int, int | None]:
+    """``(pending, unread)`` of ``group`` summed over ``stream_keys``: entries delivered and
+    not acknowledged (retries waiting included), and entries not read yet (:func:`unread`;
+    None when Redis cannot tell for some stream). One pipeline; a stream that does not
+    exist, or lacks the group, adds nothing."""
+    if not stream_keys:
+        return 0, 0
+    with translate_redis_errors():
+        pipe = client.pipeline(transaction=False)
+        for key in stream_keys:
+            pipe.xpending(key, group)
+            pipe.xinfo_groups(key)
+            pipe.xrevrange(key, count=1)
+        replies: list[Any] = pipe.execute(raise_on_error=False)
+    pending, behind = 0, 0
+    unknown = False
+    for i in range(0, len(replies), 3):
+        summary, groups, newest = replies[i:i + 3]
+        if any(isinstance(r, Exception) for r in (summary, groups, newest)):
+            continue  # no such key or group: nothing of ours there
+        info = next((g for g in groups if text(g["name"]) == group), None)
+        if info is None:
+            continue
+        pending += int(summary["pending"])
+        lag = unread(info, newest)
+        unknown = unknown or lag is None
+        behind += lag or 0
+    return pending, None if unknown else behind
+
+
 def foreign_pending(
     client: redis.Redis, stream_keys: list[str], group: str, consumer: str
 ) -> set[str]:

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 import redis
 from sqlalchemy import Engine
 
-from outbox_relay.relay import append, outgoing, refusals, repair, store, trim
+from outbox_relay.relay import append, backlog, outgoing, refusals, repair, store, trim
 from outbox_relay.relay.prune import PruneStats
 from outbox_relay.relay.wakeup import Wakeup
 from outbox_relay.shared import faults, keys, partition_counts
@@ -42,6 +42,7 @@ from outbox_relay.shared.db import is_postgres, now_ms
 from outbox_relay.shared.errors import LeaseLostError, StreamBehindError, UnavailableError
 from outbox_relay.shared.periodic import Periodic, run_due
 from outbox_relay.shared.periodic import shutdown as shutdown_periodic
+from outbox_relay.shared.progress import Progress, age_text
 from outbox_relay.shared.settings import RelaySettings
 
 if TYPE_CHECKING:
@@ -113,6 +114,28 @@ class Relay:
             Periodic("partition count check", partition_counts.CHECK_INTERVAL_S,
                      lambda: partition_counts.check(engine, settings.partitions, "this relay")),
         ]
+        self._progress = Progress()
+        if settings.progress_interval_s:  # the first line after one interval, not at start
+            self.periodic.append(Periodic(
+                "progress", settings.progress_interval_s, self.log_progress,
+                next_at=time.monotonic() + settings.progress_interval_s))
+
+    def log_progress(self) -> str:
+        """Log (INFO) and return the progress line (shared/progress.py): events delivered
+        since the last line and their rate, the total, the partitions held, and the backlog
+        of every partition (undelivered rows, the longest a deliverable one has waited)."""
+        done, rate = self._progress.since_last(self.stats.delivered)
+        rows = backlog.backlog(self.engine)
+        waiting = sum(r.rows for r in rows)
+        oldest = min((r.oldest_available_at_ms for r in rows), default=None)
+        age = None if oldest is None else max(now_ms() - oldest, 0) / 1000
+        line = (f"relay {self.node_id}: delivered {done:,} events ({rate:,.1f}/s, "
+                f"{self.stats.delivered:,} since start); partitions held "
+                f"{','.join(map(str, sorted(self.leases))) or 'none'}; backlog {waiting:,} rows, "
+                f"oldest waiting {age_text(age)}")
+        log.info("%s", line, extra={"node": self.node_id, "delivered": done,
+                                    "backlog": waiting})
+        return line
 
     def append_thread(self) -> ThreadPoolExecutor:
         """The one thread that runs in-flight appends (created on first use)."""

@@ -126,6 +126,11 @@ class DaemonSettings(CommonSettings):
         description="Address the metrics port listens on: loopback unless told (0.0.0.0 in a "
         "Kubernetes pod, so the kubelet and Prometheus reach it).",
     )
+    progress_interval_s: Duration = Field(
+        60.0,
+        description="Relay and consumer: an INFO line this often with the work done since the "
+        "last one, its rate, and what still waits (backlog, lag); off (or --quiet): none.",
+    )
     signing_key: SecretStr = Field(
         SecretStr(""),
         description="HMAC-SHA256 keys (comma-separated, 16+ characters each; the first signs, "
