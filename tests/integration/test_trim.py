@@ -18,12 +18,14 @@ from outbox_relay.cli import status
 from outbox_relay.consumer import dead_letters, streams
 from outbox_relay.consumer.daemon import Consumer
 from outbox_relay.consumer.handlers import Handlers
+from outbox_relay.consumer.prune import InboxPruner
 from outbox_relay.producer import Producer
 from outbox_relay.relay import entry_ids, store
 from outbox_relay.relay.daemon import Relay
 from outbox_relay.shared import keys
+from outbox_relay.shared.db import now_ms
 from outbox_relay.shared.redis_conn import connect_redis
-from outbox_relay.shared.schema import inbox, outbox, stream_groups
+from outbox_relay.shared.schema import consumer_retries, inbox, outbox, stream_groups
 from outbox_relay.shared.settings import ConsumerSettings, RelaySettings
 from tests.conftest import REDIS_URL
 
@@ -375,6 +377,47 @@ def test_entries_trimmed_while_pending_get_a_lost_receipt_and_a_letter_never_a_s
     assert outcomes == {f"evt-{n:05d}": "applied" for n in (0, 1, 2, 3, 6, 7, 8, 9)}
     # The 2 trimmed before anyone read them were never delivered to the group: Redis cannot
     # tell anyone about them; the relay's trim never does this (it keeps unread entries).
+
+
+def test_an_entry_that_vanishes_while_waiting_for_a_retry_takes_its_retry_row_with_it(
+    engine: Engine, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    """Invariant 7: a retry row is deleted when its event settles, and also when its entry
+    vanishes (lost); one nobody touched for the inbox retention is pruned."""
+    _enqueue(engine, key_prefix, 0, 3)
+    key = _key(key_prefix)
+    handlers = Handlers()
+
+    def failing(conn: object, event: object) -> None:
+        raise RuntimeError("the downstream is down")
+
+    handlers.on("thing.done")(failing)
+    consumer = _consumer(engine, key_prefix, handlers)
+    consumer.run_once(block_ms=10)  # creates the group
+    _relay(engine, redis_client, key_prefix)
+    consumer.run_once(block_ms=10)  # every call fails: three retry rows
+    with engine.connect() as conn:
+        assert conn.execute(select(func.count()).select_from(consumer_retries)).scalar() == 3
+    redis_client.xtrim(key, maxlen=0, approximate=False)  # they vanish while pending
+
+    consumer.recheck_pending()
+    consumer.run_once(block_ms=10)
+    assert consumer.stats.lost == 3
+    with engine.connect() as conn:
+        assert conn.execute(select(func.count()).select_from(consumer_retries)).scalar() == 0
+
+    # A row left by an older version, or by a group destroyed while it retried: the pruning
+    # removes it once nobody wrote it for the inbox retention, and not before.
+    with engine.begin() as conn:
+        conn.execute(consumer_retries.insert(), [
+            {"group_name": "gone", "event_id": name, "stream_key": key, "entry_id": "1-1",
+             "attempts": 2, "first_failed_at_ms": at, "next_attempt_at_ms": at,
+             "updated_at_ms": at}
+            for name, at in (("old", now_ms() - 3_600_000), ("fresh", now_ms()))])
+    pruned = InboxPruner(engine, redis_client, 600, batch=10).prune()
+    assert pruned.retries == 1
+    with engine.connect() as conn:
+        assert set(conn.execute(select(consumer_retries.c.event_id)).scalars()) == {"fresh"}
 
 
 def test_a_vanished_entry_that_was_already_handled_is_just_acknowledged(

@@ -104,9 +104,10 @@ def register_consumer(consumer: Consumer, settings: ConsumerSettings) -> None:
         stats.runs += runs
         more = inbox.more or more_runs
         _catch_up(task, more)
-        if inbox.receipts or inbox.heads or runs:
-            log.info("retention: pruned %d receipts, %d heads, %d runs%s", inbox.receipts,
-                     inbox.heads, runs, " (more to prune)" if more else "")
+        if inbox.receipts or inbox.heads or inbox.retries or runs:
+            log.info("retention: pruned %d receipts, %d heads, %d retry rows, %d runs%s",
+                     inbox.receipts, inbox.heads, inbox.retries, runs,
+                     " (more to prune)" if more else "")
 
     task.run = run
     consumer.periodic.append(task)
@@ -168,6 +169,7 @@ def prune_all(engine: Engine, settings: RetentionSettings, *, dry_run: bool) -> 
         finally:
             client.close()
         pruned["outbox_inbox"], pruned["outbox_inbox_heads"] = inbox.receipts, inbox.heads
+        pruned["outbox_consumer_retries"] = inbox.retries
         kept = {"dead_letter_exists": inbox.kept_letter, "above_trim_floor": inbox.kept_floor,
                 "row_undelivered": inbox.kept_undelivered}
     if _runs_retention(engine, settings) > 0:

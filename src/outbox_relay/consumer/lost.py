@@ -24,13 +24,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from sqlalchemy import Connection, Engine, insert, select, tuple_
+from sqlalchemy import Connection, Engine, delete, insert, select, tuple_
 
 from outbox_relay.consumer.streams import Entry, RawFields
 from outbox_relay.shared import keys
 from outbox_relay.shared.db import now_ms, translate_errors
 from outbox_relay.shared.envelope import JSON_CONTENT_TYPE, SPECVERSION
-from outbox_relay.shared.schema import inbox, outbox
+from outbox_relay.shared.schema import consumer_retries, inbox, outbox
 
 LOST = "lost"
 REASON = "trimmed_while_pending"
@@ -82,6 +82,12 @@ def record(
                 ))
                 receipts[event_id] = LOST
             out.append(Lost(entry, True, event_id))
+        # An entry that vanished while it waited for a retry is never claimed again: its
+        # retry row goes with it (invariant 7), in the transaction that records it lost.
+        r = consumer_retries.c
+        conn.execute(delete(consumer_retries).where(
+            r.group_name == group,
+            tuple_(r.stream_key, r.entry_id).in_([(e.key, e.entry_id) for e in entries])))
     return out
 
 

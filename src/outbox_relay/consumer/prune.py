@@ -55,7 +55,13 @@ from outbox_relay.consumer.ordering import APPLIED, SUPERSEDED
 from outbox_relay.shared import keys
 from outbox_relay.shared.db import db_now_ms, is_postgres, translate_errors
 from outbox_relay.shared.redis_conn import translate_redis_errors
-from outbox_relay.shared.schema import inbox, inbox_heads, outbox, stream_trims
+from outbox_relay.shared.schema import (
+    consumer_retries,
+    inbox,
+    inbox_heads,
+    outbox,
+    stream_trims,
+)
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +89,7 @@ class InboxPruned:
 
     receipts: int = 0
     heads: int = 0
+    retries: int = 0  # retry rows nobody touched for the retention (their entry is gone)
     kept_letter: int = 0
     kept_floor: int = 0
     kept_undelivered: int = 0
@@ -143,6 +150,7 @@ class InboxPruner:
                 floors = _floors(conn)
             self._receipts(out, cutoff, floors, max_batches, dry_run)
             self._heads(out, cutoff, max_batches, dry_run)
+            self._retries(out, cutoff, max_batches, dry_run)
         return out
 
     # -- receipts -------------------------------------------------------------------------------
@@ -262,6 +270,43 @@ class InboxPruner:
             with self.engine.begin() as conn:
                 deleted = int(conn.execute(statement).rowcount or 0)
             out.heads += deleted
+            done += 1
+            if deleted < self.batch:
+                return
+        out.more = True
+
+
+    # -- retry rows -----------------------------------------------------------------------------
+
+    def _retries(
+        self, out: InboxPruned, cutoff: int, max_batches: int | None, dry_run: bool
+    ) -> None:
+        """Retry rows (``outbox_consumer_retries``) not written for the whole retention.
+
+        A claim that settles an event deletes its row, and a consumer retrying an entry
+        rewrites it at every attempt (the longest wait between two is
+        ``OUTBOX_RETRY_MAX_DELAY_S``). A row untouched for the retention belongs to an entry
+        no consumer will claim again: it vanished (a trim, Redis lost it, its group was
+        destroyed), or nobody consumed the group for that long, in which case the event's
+        attempts start over at its next failure. Kept, such rows would grow without bound."""
+        r = consumer_retries.c
+        old = r.updated_at_ms < cutoff
+        if dry_run:
+            with self.engine.connect() as conn:
+                out.retries += int(conn.execute(
+                    select(func.count()).select_from(consumer_retries).where(old)).scalar_one())
+            return
+        key = tuple_(r.group_name, r.event_id)
+        picked = select(r.group_name, r.event_id).where(old).order_by(
+            r.updated_at_ms).limit(self.batch)
+        if self._postgres:
+            picked = picked.with_for_update(skip_locked=True)
+        statement = delete(consumer_retries).where(key.in_(picked))
+        done = 0
+        while max_batches is None or done < max_batches:
+            with self.engine.begin() as conn:
+                deleted = int(conn.execute(statement).rowcount or 0)
+            out.retries += deleted
             done += 1
             if deleted < self.batch:
                 return
