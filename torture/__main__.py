@@ -51,6 +51,10 @@ def render(reports: list[dict[str, Any]]) -> str:
                      f"{r['outage_failures']} calls failed; chain: {r['chain_sources']} sources"
                      f" applied, {r['chained_events']} chained events, {r['chained_applied']} "
                      "applied by the second group")
+        if r.get("refused_per_fault"):
+            lines.append("  writes refused (OOM) per refuse_appends fault: "
+                         + ", ".join(map(str, r["refused_per_fault"]))
+                         + f"; relay refusal lines (backoff started): {r['append_refusals']}")
         if r.get("destroyed_per_empty_restart"):
             lines.append("  marked entries destroyed per empty restart: "
                          + ", ".join(map(str, r["destroyed_per_empty_restart"])))

@@ -44,6 +44,7 @@ killed master is restarted and rejoins as a replica of the promoted one before t
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import time
@@ -60,7 +61,9 @@ from torture.redis_sets import LocalCluster, LocalSentinelSet, node_client, wait
 
 log = logging.getLogger("torture")
 
-SINGLE_FAULTS = ("redis.kill_persistent", "redis.restart_empty", "redis.stall")
+SINGLE_FAULTS = ("redis.kill_persistent", "redis.restart_empty", "redis.stall",
+                 "redis.refuse_appends")
+REFUSAL_WAIT_S = 8.0  # longest wait for Redis to refuse a write once maxmemory is set
 REPLICATED_FAULTS = ("redis.failover", "redis.stall")
 CUT_OFF_S = (1.0, 5.0)  # below the failure timeout: the stopped replica must stay electable
 NODE_TIMEOUT_MS = 6_000
@@ -138,6 +141,7 @@ class SingleRedis:
         self.stall_s = stall_s
         self.failovers = FailoverTally()
         self.destroyed: list[int] = []  # marked entries each empty restart destroyed
+        self.refused: list[int] = []  # writes refused (OOM) by each refuse_appends fault
 
     def client(self) -> redis.Redis:
         return self.server.client()
@@ -155,6 +159,8 @@ class SingleRedis:
             self.server.start(wipe=True)
             self.destroyed.append(destroyed)
             return True
+        if fault == "redis.refuse_appends":
+            return self._refuse_appends(rng)
         log.info("broker fault: %s", fault)
         if fault == "redis.kill_persistent":
             self.server.kill()
@@ -164,6 +170,35 @@ class SingleRedis:
             time.sleep(rng.uniform(*self.stall_s))  # the stall itself, not a wait
             self.server.resume()
         return True
+
+    def _refuse_appends(self, rng: random.Random) -> bool:
+        """Redis refuses every write that needs memory (``maxmemory 1``, ``noeviction``: the
+        relay's append scripts answer OOM), until it has refused at least one and then for
+        a stall's length; then takes writes again. The relay must back off the refused
+        streams and deliver everything after (the verdict requires its refusal lines). False
+        when Redis refused nothing within :data:`REFUSAL_WAIT_S` (nobody wrote: try later)."""
+        client = self.server.client()
+        try:
+            before = _oom_errors(client)
+            client.config_set("maxmemory-policy", "noeviction")
+            client.config_set("maxmemory", 1)
+            deadline = time.monotonic() + REFUSAL_WAIT_S
+            while _oom_errors(client) == before and time.monotonic() < deadline:
+                time.sleep(0.05)  # polling Redis's own error counter, not standing in for it
+            refused = _oom_errors(client) - before
+            if refused:
+                time.sleep(rng.uniform(*self.stall_s))  # the refusal lasts: the fault itself
+        except (redis.ConnectionError, redis.TimeoutError):
+            return False
+        finally:
+            # Down: it restarts from its command line, without the limit.
+            with contextlib.suppress(redis.ConnectionError, redis.TimeoutError):
+                client.config_set("maxmemory", 0)
+            client.close()
+        if refused:
+            log.info("broker fault: redis.refuse_appends (%d writes refused with OOM)", refused)
+            self.refused.append(refused)
+        return bool(refused)
 
     def _pause_and_count_marked(self) -> int:
         """Stop every client's writes (10 s at most: the kill follows at once, or
@@ -194,6 +229,13 @@ class SingleRedis:
 
     def stop(self) -> None:
         self.server.stop()
+
+
+def _oom_errors(client: redis.Redis) -> int:
+    """Commands Redis has refused with OOM since it started (``INFO errorstats``)."""
+    stats = client.info("errorstats")
+    entry = stats.get("errorstat_OOM") or {}
+    return int(entry.get("count", 0)) if isinstance(entry, dict) else 0
 
 
 def _text(value: bytes | str | None) -> str:

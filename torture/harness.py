@@ -358,7 +358,14 @@ def run_one(kind: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
     handler_failures = sum(c.handler_failures(app.TransientError.__name__)
                            for c in kids if c.kind == "consumer")
     outage_failed = outage_failures(kids)
+    # The relay's backoff after a refused append says so once per stream and change of state
+    # (relay/refusals.py): a refuse_appends fault that made Redis refuse writes must show it.
+    append_refusals = sum(c.count_in_logs(b"Redis refused an append")
+                          for c in kids if c.kind == "relay")
+    refused = list(getattr(server, "refused", []))
     violations = verdict.violations(runs_must_finish=args.run_worker)
+    if refused and not append_refusals:
+        violations.append("refused_appends_not_backed_off")
     violations += plan_violations(plan, tally, outage_failed, verdict.chained_applied)
     missing = [p for p in chaos.points if not tally.kills[p]]
     violations += [f"never_killed_at:{p}" for p in missing]
@@ -389,6 +396,7 @@ def run_one(kind: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
         "marked_per_failover": failovers.marked, "failovers_aborted": failovers.aborted,
         "lacked_distinct": lacked_distinct,
         "destroyed_per_empty_restart": getattr(server, "destroyed", []),
+        "refused_per_fault": refused, "append_refusals": append_refusals,
         "unavailable_exits": dict(sorted(tally.unavailable_exits.items())),
         "retention": {"settings": retention_env(args.retention), **retained},
         **verdict.as_dict(), "violations": violations,
