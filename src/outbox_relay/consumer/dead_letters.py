@@ -250,6 +250,98 @@ def replay_all(
     return results
 
 
+@dataclass(frozen=True)
+class Filter:
+    """Which letters an operator means (the console's list, replay and purge): each field
+    narrows, ``None`` does not. Ages are read from the letter's own entry id (when it was
+    written), as :func:`purge` reads them."""
+
+    stream: str | None = None
+    partition: int | None = None
+    group: str | None = None
+    reason: str | None = None
+    type: str | None = None
+    older_than_ms: int = 0  # written longer ago than this (0: any)
+    newer_than_ms: int = 0  # written more recently than this (0: any)
+
+    def is_empty(self) -> bool:
+        """True when the filter selects every letter of every group."""
+        return self == Filter()
+
+    def matches(self, letter: DeadLetter, now_ms: int) -> bool:
+        """Does ``letter`` pass every condition (stream and partition are the caller's keys)?"""
+        written = int(letter.dead_id.partition("-")[0])
+        return ((self.group is None or letter.group == self.group)
+                and (self.reason is None or letter.reason == self.reason)
+                and (self.type is None or letter.fields.get(b"type", b"").decode(
+                    "utf-8", "backslashreplace") == self.type)
+                and (not self.older_than_ms or written < now_ms - self.older_than_ms)
+                and (not self.newer_than_ms or written > now_ms - self.newer_than_ms))
+
+
+@dataclass(frozen=True)
+class Page:
+    """One page of :func:`find`: the letters, and where the next page starts (``None``: no
+    more). ``scanned`` counts the letters read to fill it, matching or not."""
+
+    letters: list[DeadLetter]
+    next_after: str | None
+    scanned: int
+
+
+def find(
+    client: redis.Redis,
+    prefix: str,
+    chosen: Filter,
+    *,
+    now_ms: int,
+    after: str | None = None,
+    limit: int = 50,
+    max_scan: int = 10_000,
+    batch: int = 200,
+) -> Page:
+    """Letters matching ``chosen``, in the order of :func:`list_letters`, after the letter id
+    ``after`` (a previous page's ``next_after``). At most ``limit`` letters, and at most
+    ``max_scan`` letters read: a page of a rare reason ends early with a ``next_after`` to go
+    on from, so one request never walks a million letters."""
+    start_at: tuple[str, int] | None = None
+    start_id = "-"
+    if after is not None:
+        stream, partition, dead_id = parse_letter_id(after)
+        if stream is None or partition is None:
+            raise InvalidRequestError("after must be a full letter id (stream:partition:id)")
+        start_at, start_id = (stream, partition), f"({dead_id}"
+    found: list[DeadLetter] = []
+    scanned = 0
+    last: DeadLetter | None = None
+    for key in dead_keys(client, prefix, chosen.stream, chosen.partition):
+        at = keys.parse_stream_key(prefix, key.removesuffix(_DEAD_SUFFIX))
+        if start_at is not None and at is not None and at < start_at:
+            continue
+        start = start_id if at == start_at else "-"
+        while len(found) < limit and scanned < max_scan:
+            page = _read(client, prefix, key, start, min(batch, max_scan - scanned))
+            for letter in page:
+                scanned += 1
+                last = letter
+                if chosen.matches(letter, now_ms):
+                    found.append(letter)
+                    if len(found) >= limit:
+                        break
+            if len(page) < batch or not page:
+                break
+            start = f"({page[-1].dead_id}"
+        if len(found) >= limit or scanned >= max_scan:
+            return Page(found, last.letter_id if last else after, scanned)
+    return Page(found, None, scanned)
+
+
+def discard(client: redis.Redis, letter: DeadLetter) -> bool:
+    """``XDEL`` the letter; ``False`` when it was already gone (deleted by someone else)."""
+    with translate_redis_errors():
+        return int(client.xdel(letter.key, letter.dead_id)) == 1
+
+
 def letters_by_group(
     client: redis.Redis, prefix: str, *, stream: str | None = None,
     partition: int | None = None, batch: int = 500,

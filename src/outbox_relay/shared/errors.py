@@ -140,6 +140,13 @@ class UnauthorizedError(OutboxError):
     code = "unauthorized"
 
 
+class ForbiddenError(OutboxError):
+    """A known caller (or the anonymous one) asked for what it may not do: a mutation of the
+    operator console on an API without tokens (``read_only``)."""
+
+    code = "forbidden"
+
+
 class RateLimitedError(OutboxError):
     """A caller exceeded its rate; ``retry_after_s`` says when trying again can succeed."""
 

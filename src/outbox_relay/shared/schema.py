@@ -202,3 +202,35 @@ streams = Table(
     Column("created_at_ms", BigInteger, nullable=False),
     PrimaryKeyConstraint("stream"),
 )
+
+console_actions = Table(
+    "outbox_console_actions",
+    metadata,
+    # The operator console's log of mutations (console/action_log.py): one row per replay or
+    # purge request, written before the action runs (who, when, what) and completed after it
+    # (how many matched and changed, outcomes by kind); ``finished_at_ms`` NULL: it never
+    # finished (the server stopped mid-way). Read-only through the console; kept until deleted.
+    Column("seq", SeqType, primary_key=True, autoincrement=True),
+    Column("at_ms", BigInteger, nullable=False),
+    Column("caller", String(64), nullable=False),
+    Column("action", String(16), nullable=False),  # replay | purge
+    Column("target", Text, nullable=False),  # JSON: {"ids": [...]} or {"filter": {...}}
+    Column("matched", Integer),
+    Column("changed", Integer),
+    Column("outcomes", Text),  # JSON: {"applied": 2, "already_replayed": 1}
+    Column("finished_at_ms", BigInteger),
+    sqlite_autoincrement=True,
+)
+
+console_action_letters = Table(
+    "outbox_console_action_letters",
+    metadata,
+    # What one console action did to each letter it touched, so a later request for a letter
+    # that is gone can say what became of it (already replayed or purged, by whom, when).
+    Column("action_seq", BigInteger, nullable=False),
+    Column("letter_id", String(160), nullable=False),
+    Column("outcome", String(32), nullable=False),
+    Column("detail", String(500), nullable=False, server_default=text("''")),
+    PrimaryKeyConstraint("action_seq", "letter_id"),
+    Index("ix_outbox_console_action_letters_letter", "letter_id"),
+)
