@@ -6,7 +6,9 @@ never import each other; ``runs`` (durable runs, used by some applications) buil
 together. The test kit (``testing``) is a second wiring module, narrower: it drives the relay
 and a consumer for a user's tests, so it may import ``shared``, ``producer``, ``relay`` and
 ``consumer`` (not ``runs``, not ``cli``). Nothing in the package imports either of the two
-wiring modules. And every import of our code
+wiring modules. The operator console (``console``) reads both the relay's and the consumers'
+state, so it may import ``relay`` and ``consumer`` (and ``runs``, for the API's callers); only
+``cli`` imports it. And every import of our code
 goes through ``outbox_relay``: a module imported once as ``shared.x`` and once as
 ``outbox_relay.shared.x`` would exist twice (two caches, two error classes).
 """
@@ -20,13 +22,18 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "src" / "outbox_relay"
-COMPONENTS = ("shared", "producer", "relay", "consumer", "runs", "cli")
+COMPONENTS = ("shared", "producer", "relay", "consumer", "runs", "console", "cli")
 ALLOWED = {
     "shared": set(),
     "producer": {"shared"},
     "relay": {"shared"},
     "consumer": {"shared"},
     "runs": {"shared", "producer", "consumer"},  # its events; its worker is a Handlers
+    # The operator console shows the relay's backlog and the consumers' dead letters, so it
+    # sits above both (as a wiring unit would) and uses runs only for the API's callers and
+    # error shape; unlike the wiring units it is imported, by cli alone (which mounts it on
+    # `outbox serve`), and nothing else may import it since no other rule lists it.
+    "console": {"shared", "relay", "consumer", "runs"},
     "cli": set(COMPONENTS),
 }
 # Wiring modules besides the CLI, with what each may import; nothing imports them.

@@ -1,4 +1,5 @@
-"""``outbox serve``: the HTTP API of the run store (FastAPI on uvicorn).
+"""``outbox serve``: the HTTP API of the run store (FastAPI on uvicorn), and with ``--console``
+(``OUTBOX_CONSOLE``) the operator console under ``/console`` (:mod:`cli.console`).
 
 Startup order: read settings → check who may call (tokens: refused beyond loopback without
 them, before anything is opened) → open the database and check its schema → recover (one sweep:
@@ -57,13 +58,27 @@ def main(args: argparse.Namespace) -> int:
     )
     log.info("recovered %d run(s), failed %d", recovered.resumed, recovered.failed)
     limit = auth.CreateLimit(settings.api_create_rate, settings.api_create_burst)
+    console_router = None
+    if settings.console:  # its action log is a core table: the core schema must be current
+        from outbox_relay.cli import console
+        from outbox_relay.console import api as console_api
+
+        until_available(lambda: db.check_schema(engine), "schema check (console)", patience)
+        console_router = console.load(settings, engine, can_mutate=tokens is not None)
     app = create_app(engine, store, max_body_bytes=settings.max_body_bytes, tokens=tokens,
-                     create_limit=limit)
+                     create_limit=limit,
+                     open_paths=console_api.PAGE_PATHS if console_router else ())
+    if console_router is not None:
+        app.include_router(console_router)
     scheme = "https" if settings.api_ssl_certfile else "http"
     who = (f"{len(tokens)} API token(s)" if tokens is not None
            else "no authentication (loopback, no tokens)")
     log.info("serving runs of %s on %s://%s:%d with %s", redact_url(settings.database_url),
              scheme, settings.host, settings.port, who)
+    if console_router is not None:
+        log.info("operator console on %s://%s:%d/console/ (%s)", scheme, settings.host,
+                 settings.port, "replay and purge with a token" if tokens is not None
+                 else "read-only: no API tokens")
     config = server.config(app, settings)
     # uvicorn catches SIGTERM/SIGINT while serving (graceful shutdown), then restores the
     # previous handlers and re-raises the signal: with these no-op handlers, the re-raise ends

@@ -8,7 +8,8 @@
   the current snapshot with ``Idempotent-Replayed: true`` and writes nothing.
 
 Only snapshots leave the service. Every error is ``{"error": {"code", "message"}}``: 401
-``unauthorized`` (with ``WWW-Authenticate: Bearer``), 404 ``not_found``/``unknown_interaction``,
+``unauthorized`` (with ``WWW-Authenticate: Bearer``), 403 ``read_only`` (the console's
+mutations without tokens), 404 ``not_found``/``unknown_interaction``,
 409 ``conflict``/``already_answered``/``idempotency_conflict``, 413 ``payload_too_large``, 422
 ``invalid_request`` (bad input, JSON that does not parse, nests deeper than
 :data:`MAX_JSON_DEPTH` or holds a non-finite number such as ``NaN`` or ``1e999``), 429
@@ -30,7 +31,7 @@ import logging
 import math
 import re
 import uuid
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterable
 from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Header, Request, Response, Security
@@ -50,6 +51,7 @@ from outbox_relay.shared.db import translate_errors
 from outbox_relay.shared.errors import (
     CannotConnectError,
     ConflictError,
+    ForbiddenError,
     IdempotencyConflictError,
     InvalidRequestError,
     InvalidTransitionError,
@@ -105,6 +107,7 @@ class ErrorBody(BaseModel):
 
 _STATUS: list[tuple[type[OutboxError], int]] = [
     (UnauthorizedError, 401),
+    (ForbiddenError, 403),
     (RateLimitedError, 429),
     (NotFoundError, 404),
     (IdempotencyConflictError, 409),
@@ -115,7 +118,7 @@ _STATUS: list[tuple[type[OutboxError], int]] = [
     (CannotConnectError, 503),
 ]
 _ERRORS: dict[int | str, dict[str, Any]] = {
-    code: {"model": ErrorBody} for code in (401, 404, 409, 413, 422, 429, 503)
+    code: {"model": ErrorBody} for code in (401, 403, 404, 409, 413, 422, 429, 503)
 }
 _BEARER = HTTPBearer(auto_error=False, description="A token of OUTBOX_API_TOKENS (not needed "
                      "on a loopback API without tokens).")
@@ -127,10 +130,12 @@ def error(status: int, code: str, message: str) -> JSONResponse:
 
 
 def create_app(engine: Engine, store: RunStore, *, max_body_bytes: int = 65_536,
-               tokens: Tokens | None = None, create_limit: CreateLimit | None = None) -> FastAPI:
+               tokens: Tokens | None = None, create_limit: CreateLimit | None = None,
+               open_paths: Iterable[str] = ()) -> FastAPI:
     """The API on ``engine``; each request is one short transaction. With ``tokens`` every
-    request but :data:`OPEN_PATHS` needs one, and a caller sees only its own runs (admins all);
-    ``create_limit`` bounds each caller's ``POST /runs``."""
+    request but :data:`OPEN_PATHS` (and ``open_paths``: a page that holds no data, such as the
+    console's) needs one, and a caller sees only its own runs (admins all); ``create_limit``
+    bounds each caller's ``POST /runs``."""
     app = FastAPI(title="outbox runs", version="1", responses=_ERRORS)
     app.router.route_class = StrictJsonRoute
     limit = create_limit or CreateLimit(0, 1)
@@ -184,7 +189,8 @@ def create_app(engine: Engine, store: RunStore, *, max_body_bytes: int = 65_536,
 
     _install_error_handlers(app)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
-    app.add_middleware(Authenticate, tokens=tokens)  # outermost: before the body is read
+    app.add_middleware(Authenticate, tokens=tokens,  # outermost: before the body is read
+                       open_paths=OPEN_PATHS | frozenset(open_paths))
     return app
 
 
@@ -280,8 +286,9 @@ class Authenticate:
     refusal is logged at DEBUG with the client's address only (a flood of bad tokens must not
     flood the log)."""
 
-    def __init__(self, app: ASGIApp, tokens: Tokens | None) -> None:
-        self.app, self.tokens = app, tokens
+    def __init__(self, app: ASGIApp, tokens: Tokens | None,
+                 open_paths: frozenset[str] = OPEN_PATHS) -> None:
+        self.app, self.tokens, self.open_paths = app, tokens, open_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -289,7 +296,7 @@ class Authenticate:
             return
         if self.tokens is None:
             scope[CALLER] = ANONYMOUS
-        elif scope["path"] not in OPEN_PATHS:
+        elif scope["path"] not in self.open_paths:
             presented = _bearer_token(scope["headers"])
             caller = None if presented is None else self.tokens.authenticate(presented)
             if caller is None:

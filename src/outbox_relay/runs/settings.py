@@ -93,3 +93,13 @@ class ServeSettings(DaemonSettings, RunSettings):
         default="", description="TLS: CA bundle that client certificates must chain to; with "
         "it, a client certificate is required (mutual TLS), besides the bearer token.",
     )
+    console: bool = Field(
+        default=False, description="Serve the operator console (dead letters, backlog, groups; "
+        "replay and purge, recorded) under /console; off by default. Read-only unless API "
+        "tokens are configured. See docs/operations.md#console.",
+    )
+    console_apps: str = Field(
+        default="", description="The handlers the console replays each group's dead letters "
+        "with, as group=module:attribute entries, comma-separated (the --app of that group's "
+        "consumers); a group without an entry is never replayed from the console.",
+    )
