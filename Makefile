@@ -35,6 +35,7 @@ typecheck: install
 	$(BIN)/mypy
 
 test: lint typecheck
+	sh scripts/install-browser.sh  # Chromium for the console's browser test; never fails
 	$(BIN)/pytest
 	$(MAKE) test-cluster
 
