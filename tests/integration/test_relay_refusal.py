@@ -289,6 +289,33 @@ def test_out_of_memory_backs_off_then_delivers_once_in_order(
         client.close()
 
 
+def test_a_repair_refused_for_lack_of_memory_is_retried_never_fatal(
+    engine: Engine, key_prefix: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Redis lost a stream and is at maxmemory: the repair's refill is refused with OOM. The
+    relay says so and goes on (before, the error ended the relay with exit 1: found by the
+    torture's refused-append fault); once memory is back the next check refills the stream."""
+    with private_redis(tmp_path / "redis") as url:
+        client = connect_redis(url)
+        relay = Relay(relay_settings(key_prefix, redis_url=url), engine, client)
+        ids = enqueue_events(engine, 3, aggregates=1)
+        relay_until_delivered(relay, engine, "the first events")
+        stream_key = keys.stream_key(key_prefix, STREAM, partition_of(AGG))
+        client.delete(stream_key)  # Redis lost it
+        client.config_set("maxmemory", 1)
+        with caplog.at_level(logging.WARNING):
+            relay.repairer.check_soon()
+            relay.run_once()  # the check runs: its refill is refused, the round goes on
+        assert relay.repairer.stats.refused == 1
+        assert f"repair of {stream_key} (stream_missing) refused by Redis: redis_oom" in caplog.text
+        assert client.exists(stream_key) == 0
+        client.config_set("maxmemory", 0)
+        relay.repairer.check_soon()
+        relay.run_once()
+        assert [f["id"] for _p, _i, f in stream_entries(client, key_prefix)] == ids
+        client.close()
+
+
 def enqueue_other(engine: Engine, count: int) -> list[str]:
     """Events of aggregate ``agg-0`` (the same partition) on the stream ``other``."""
     producer = Producer(source="tests", partitions=PARTITIONS)

@@ -109,6 +109,7 @@ class RepairStats:
     fenced: int = 0
     foreign_entries: int = 0
     foreign_tops: int = 0
+    refused: int = 0  # repairs Redis refused (OOM, ACL): retried at the next check
     findings: list[Finding] = field(default_factory=list)
 
 
@@ -385,24 +386,37 @@ class Repairer:
                 self.floors[finding.key] = finding.newest
             if finding.reason is None:
                 continue
-            try:
-                store.renew_lease(
-                    self.engine, partition, self.node_id, leases[partition], s.lease_ttl_ms,
-                    now_ms(),
-                )
-            except LeaseLostError:
-                log.warning("repair of %s skipped: partition lease lost", finding.key)
-                continue
-            try:
-                how, n = repair(self.engine, self.client, finding, epoch=leases[partition],
-                                maxlen=s.stream_maxlen_unsafe, signer=self.signer)
-            except LeaseLostError:
-                self.stats.fenced += 1
-                log.warning("repair of %s stopped: a newer relay owns the stream", finding.key)
-                continue
-            self._record(finding, how, n)
-            added += n
+            added += self._repair_one(finding, leases[partition])
         return added
+
+    def _repair_one(self, finding: Finding, epoch: int) -> int:
+        """Repair one stream found behind, as the owner of ``epoch``; entries appended back.
+        A lost lease, or Redis refusing the repair (OOM at maxmemory, an ACL without the
+        repair's commands), is logged and left to the next check: nothing is appended to
+        this stream above its hole meanwhile (its appends answer BEHIND), others go on."""
+        s = self.settings
+        try:
+            store.renew_lease(self.engine, finding.partition, self.node_id, epoch,
+                              s.lease_ttl_ms, now_ms())
+        except LeaseLostError:
+            log.warning("repair of %s skipped: partition lease lost", finding.key)
+            return 0
+        try:
+            how, n = repair(self.engine, self.client, finding, epoch=epoch,
+                            maxlen=s.stream_maxlen_unsafe, signer=self.signer)
+        except LeaseLostError:
+            self.stats.fenced += 1
+            log.warning("repair of %s stopped: a newer relay owns the stream", finding.key)
+            return 0
+        except redis.ResponseError as err:
+            self.stats.refused += 1
+            log.warning("repair of %s (%s) refused by Redis: %s; retried at the next check",
+                        finding.key, finding.reason, append.error_code(err),
+                        extra={"stream": finding.stream, "partition": finding.partition,
+                               "error": append.error_code(err)})
+            return 0
+        self._record(finding, how, n)
+        return n
 
     def _reset_unreachable(self, partition: int, epoch: int) -> None:
         """:func:`store.reset_unreachable_last`: a lease row an earlier version left out of
