@@ -359,8 +359,10 @@ def run_one(kind: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
                            for c in kids if c.kind == "consumer")
     outage_failed = outage_failures(kids)
     # The relay's backoff after a refused append says so once per stream and change of state
-    # (relay/refusals.py): a refuse_appends fault that made Redis refuse writes must show it.
+    # (relay/refusals.py), a refused repair once per check (relay/repair.py): a refuse_appends
+    # fault that made Redis refuse writes must show one of them.
     append_refusals = sum(c.count_in_logs(b"Redis refused an append")
+                          + c.count_in_logs(b") refused by Redis: ")
                           for c in kids if c.kind == "relay")
     refused = list(getattr(server, "refused", []))
     violations = verdict.violations(runs_must_finish=args.run_worker)
