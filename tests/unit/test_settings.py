@@ -161,3 +161,18 @@ def test_log_level_is_validated() -> None:
     assert RelaySettings(log_level="debug").log_level == "DEBUG"
     with pytest.raises(ValidationError, match="not one of"):
         RelaySettings(log_level="verbose")
+
+
+def test_a_database_url_with_an_unencoded_at_in_its_password_is_refused_without_echoing_it(
+) -> None:
+    """SQLAlchemy ends a password at its first '@': the rest would reach the driver as the
+    host (and its error message). Found by the redaction property test."""
+    from outbox_relay.shared.settings import CommonSettings
+
+    with pytest.raises(ValueError, match="percent-encode '@'") as caught:
+        CommonSettings(database_url="postgresql://u:Sekr1t?@Zw9Vyx/@127.0.0.1:1/x")
+    assert "Sekr1t" not in str(caught.value.errors()[0]["msg"])  # type: ignore[attr-defined]
+    assert "Zw9Vyx" not in str(caught.value.errors()[0]["msg"])  # type: ignore[attr-defined]
+    encoded = CommonSettings(database_url="postgresql://u:Sekr1t%3F%40Zw9Vyx%2F@127.0.0.1:1/x")
+    assert encoded.database_url.startswith("postgresql+psycopg://")
+    assert CommonSettings(database_url="sqlite:///./a@b.db").database_url == "sqlite:///./a@b.db"

@@ -107,6 +107,14 @@ class CommonSettings(BaseSettings):
     @field_validator("database_url")
     @classmethod
     def _database_url(cls, value: str) -> str:
+        scheme, sep, rest = value.partition("://")
+        if sep and not scheme.startswith("sqlite") and rest.count("@") > 1:
+            # SQLAlchemy ends the password at the first '@', a person reads it to the last:
+            # the driver would be sent a piece of the password as its host (and print it in
+            # its error). Refused before any connection, naming no part of the URL.
+            raise ValueError(
+                "database_url holds more than one '@': percent-encode '@' in the user name "
+                "or password as %40 (and '/', '?', '#', ':' as %2F, %3F, %23, %3A)")
         if value.startswith("postgresql://"):
             return "postgresql+psycopg://" + value[len("postgresql://") :]
         if value.startswith("postgres://"):
