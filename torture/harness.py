@@ -191,9 +191,23 @@ def database(kind: str, workdir: Path, pg_url: str, tag: str, keep: bool) -> Ite
         yield f"{pg_url}?options=-csearch_path%3D{schema}&application_name=outbox-{schema}"
     finally:
         if not keep:
-            with admin.begin() as conn:
-                conn.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
+            _drop_schema(admin, schema)
         admin.dispose()
+
+
+def _drop_schema(admin: Engine, schema: str) -> None:
+    """Drop the run's schema after ending every session still in it (a child the harness
+    could not stop would deadlock the ``DROP`` against its own reads); a failure is a
+    warning, never the loss of the report."""
+    try:
+        with admin.begin() as conn:
+            conn.execute(text("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                              "WHERE application_name = :name AND pid <> pg_backend_pid()"),
+                         {"name": f"outbox-{schema}"})
+            conn.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
+    except DBAPIError as err:
+        log.warning("could not drop schema %s (%s); drop it by hand",
+                    schema, type(err.orig).__name__)
 
 
 def declared_groups(workers: bool) -> str:
