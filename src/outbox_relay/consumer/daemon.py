@@ -53,6 +53,7 @@ from outbox_relay.shared.errors import InvalidEventError, UnavailableError
 from outbox_relay.shared.periodic import Periodic, run_due
 from outbox_relay.shared.periodic import shutdown as shutdown_periodic
 from outbox_relay.shared.progress import Progress
+from outbox_relay.shared.redis_conn import refused_for_now
 from outbox_relay.shared.settings import ConsumerSettings
 from outbox_relay.shared.signing import Signer
 
@@ -199,6 +200,15 @@ class Consumer:
                 except UnavailableError as err:
                     self._groups_ready = False
                     self._sleep_backoff(err)
+                except redis.ResponseError as err:
+                    # Redis at maxmemory (OOM on creating a group or writing a dead letter),
+                    # a replica during a failover: wait it out like an outage. The batch in
+                    # hand was drained as after a crash (its entries stay pending).
+                    waiting = refused_for_now(err)
+                    if waiting is None:
+                        raise
+                    self._groups_ready = False
+                    self._sleep_backoff(waiting)
         finally:
             shutdown_periodic(self.periodic)
             self._release_leases()  # first: other consumers take the partitions at once

@@ -274,6 +274,29 @@ def translate_redis_errors() -> Iterator[None]:
         raise translated from err
 
 
+# Replies by which a server refuses a command for now, not for good: out of memory at
+# maxmemory, a replica (READONLY) or a master without its replicas during a failover, a script
+# running too long (BUSY). redis-py strips the code of those it has a class for.
+_REFUSED_FOR_NOW = ("OOM ", "READONLY ", "MASTERDOWN ", "NOREPLICAS ", "BUSY ")
+_REFUSED_CLASSES: tuple[tuple[type[redis.ResponseError], str], ...] = (
+    (redis.exceptions.OutOfMemoryError, "OOM"), (redis.exceptions.ReadOnlyError, "READONLY"))
+
+
+def refused_for_now(err: BaseException) -> UnavailableError | None:
+    """The :class:`UnavailableError` of a command Redis refused for now (``OOM`` at
+    ``maxmemory``, ``READONLY``, ``MASTERDOWN``, ``NOREPLICAS``, ``BUSY``), for a daemon to
+    back off and retry as after an outage; None for any other error. The relay classifies
+    its own refusals per stream (relay/refusals.py); consumers use this."""
+    if not isinstance(err, redis.ResponseError):
+        return None
+    text = str(err)
+    code = next((c for kind, c in _REFUSED_CLASSES if isinstance(err, kind)), None) or next(
+        (c.strip() for c in _REFUSED_FOR_NOW if text.startswith(c)), None)
+    if code is None:
+        return None
+    return UnavailableError(f"{where(err)} refused a command for now ({code})")
+
+
 def as_outbox_error(err: redis.RedisError) -> OutboxError | None:
     """Our error for a redis-py error, or ``None`` for a command's own refusal (``WRONGTYPE``
     …) that the caller must handle. The CLI uses it on whatever reaches it unwrapped."""
