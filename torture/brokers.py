@@ -63,7 +63,7 @@ log = logging.getLogger("torture")
 
 SINGLE_FAULTS = ("redis.kill_persistent", "redis.restart_empty", "redis.stall",
                  "redis.refuse_appends")
-REFUSAL_WAIT_S = 8.0  # longest wait for Redis to refuse a write once maxmemory is set
+REFUSAL_WAIT_S = 15.0  # longest wait for a relay to be refused once maxmemory is set
 REPLICATED_FAULTS = ("redis.failover", "redis.stall")
 CUT_OFF_S = (1.0, 5.0)  # below the failure timeout: the stopped replica must stay electable
 NODE_TIMEOUT_MS = 6_000
@@ -91,6 +91,10 @@ class Probe(Protocol):
 
     def marked_among(self, entries: dict[str, list[str]]) -> int:
         """How many of ``entries`` (stream key: entry ids) the outbox marked delivered."""
+        ...
+
+    def refused(self, event_ids: list[str]) -> int:
+        """How many of ``event_ids`` a relay tried to append and Redis refused."""
         ...
 
 
@@ -160,7 +164,7 @@ class SingleRedis:
             self.destroyed.append(destroyed)
             return True
         if fault == "redis.refuse_appends":
-            return self._refuse_appends(rng)
+            return self._refuse_appends(rng, tend)
         log.info("broker fault: %s", fault)
         if fault == "redis.kill_persistent":
             self.server.kill()
@@ -171,22 +175,26 @@ class SingleRedis:
             self.server.resume()
         return True
 
-    def _refuse_appends(self, rng: random.Random) -> bool:
+    def _refuse_appends(self, rng: random.Random, tend: Callable[[], None]) -> bool:
         """Redis refuses every write that needs memory (``maxmemory 1``, ``noeviction``: the
-        relay's append scripts answer OOM), until it has refused at least one and then for
-        a stall's length; then takes writes again. The relay must back off the refused
-        streams and deliver everything after (the verdict requires its refusal lines). False
-        when Redis refused nothing within :data:`REFUSAL_WAIT_S` (nobody wrote: try later)."""
+        relay's append scripts answer OOM) while a burst of events is committed, until a
+        relay has tried to append one of them and been refused (the outbox records the failed
+        attempt), then for a stall's length; then takes writes again. The relay must back off
+        and deliver everything after (the verdict requires its refusal lines). False when no
+        relay was refused within :data:`REFUSAL_WAIT_S` (none running: try later)."""
         client = self.server.client()
+        refused = 0
         try:
             before = _oom_errors(client)
             client.config_set("maxmemory-policy", "noeviction")
             client.config_set("maxmemory", 1)
+            ids = self.probe.burst(self.stream_keys)
             deadline = time.monotonic() + REFUSAL_WAIT_S
-            while _oom_errors(client) == before and time.monotonic() < deadline:
-                time.sleep(0.05)  # polling Redis's own error counter, not standing in for it
-            refused = _oom_errors(client) - before
-            if refused:
+            while not self.probe.refused(ids) and time.monotonic() < deadline:
+                tend()  # a relay killed meanwhile is restarted, so one gets to try
+                time.sleep(0.1)  # polling the outbox's record of the attempt
+            if self.probe.refused(ids):
+                refused = max(_oom_errors(client) - before, 1)
                 time.sleep(rng.uniform(*self.stall_s))  # the refusal lasts: the fault itself
         except (redis.ConnectionError, redis.TimeoutError):
             return False

@@ -31,8 +31,7 @@ DB_FAULT = "db.terminate_backends"
 # the marked entries, a failover commits a burst) every paused process is woken: on SQLite one
 # stopped inside a transaction holds the write lock, and the loop, waiting for it inside the
 # fault, could not wake it.
-DATABASE_FREE_FAULTS = frozenset({"redis.kill_persistent", "redis.stall",
-                                  "redis.refuse_appends"})
+DATABASE_FREE_FAULTS = frozenset({"redis.kill_persistent", "redis.stall"})
 
 
 @dataclass

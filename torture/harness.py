@@ -376,6 +376,7 @@ def run_one(kind: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
     # (relay/refusals.py), a refused repair once per check (relay/repair.py): a refuse_appends
     # fault that made Redis refuse writes must show one of them.
     append_refusals = sum(c.count_in_logs(b"Redis refused an append")
+                          + c.count_in_logs(b"Redis refused the append of a retried batch")
                           + c.count_in_logs(b") refused by Redis: ")
                           for c in kids if c.kind == "relay")
     refused = list(getattr(server, "refused", []))
@@ -492,6 +493,17 @@ class LedgerProbe:
 
     def can_burst(self, stream_keys: list[str]) -> bool:
         return bool(self._partitions_among(stream_keys))
+
+    def refused(self, event_ids: list[str]) -> int:
+        """How many of ``event_ids`` a relay tried to append and Redis refused (undelivered,
+        with a failed attempt recorded in the outbox)."""
+        try:
+            with self.engine.connect() as conn:
+                return int(conn.execute(select(func.count()).select_from(outbox).where(
+                    outbox.c.event_id.in_(event_ids), outbox.c.delivered_at_ms.is_(None),
+                    outbox.c.attempts > 0)).scalar_one())
+        except DBAPIError:
+            return 0  # the database is being broken too: ask again
 
     def _partitions_among(self, stream_keys: list[str]) -> list[int]:
         """The partitions of stream ``events`` whose keys are among ``stream_keys``."""
