@@ -185,16 +185,24 @@ class SingleRedis:
         client = self.server.client()
         refused = 0
         try:
-            before = _oom_errors(client)
+            before = (_oom_errors(client), _failed_scripts(client))
             client.config_set("maxmemory-policy", "noeviction")
             client.config_set("maxmemory", 1)
             ids = self.probe.burst(self.stream_keys)
+
+            def relay_refused() -> bool:
+                # A fresh row's refusal is recorded in the outbox; a retried batch's is not
+                # (the relay retries it under its ids): then a script refused with OOM (only
+                # the relay's scripts write with commands Redis refuses at maxmemory).
+                return bool(self.probe.refused(ids)) or (
+                    _oom_errors(client) > before[0] and _failed_scripts(client) > before[1])
+
             deadline = time.monotonic() + REFUSAL_WAIT_S
-            while not self.probe.refused(ids) and time.monotonic() < deadline:
+            while not relay_refused() and time.monotonic() < deadline:
                 tend()  # a relay killed meanwhile is restarted, so one gets to try
-                time.sleep(0.1)  # polling the outbox's record of the attempt
-            if self.probe.refused(ids):
-                refused = max(_oom_errors(client) - before, 1)
+                time.sleep(0.1)  # polling the outbox's and Redis's records of the attempt
+            if relay_refused():
+                refused = max(_oom_errors(client) - before[0], 1)
                 time.sleep(rng.uniform(*self.stall_s))  # the refusal lasts: the fault itself
         except (redis.ConnectionError, redis.TimeoutError):
             return False
@@ -244,6 +252,13 @@ def _oom_errors(client: redis.Redis) -> int:
     stats = client.info("errorstats")
     entry = stats.get("errorstat_OOM") or {}
     return int(entry.get("count", 0)) if isinstance(entry, dict) else 0
+
+
+def _failed_scripts(client: redis.Redis) -> int:
+    """Scripts that ended in an error since Redis started (``INFO commandstats``)."""
+    stats = client.info("commandstats")
+    return sum(int(v.get("failed_calls", 0)) for k, v in stats.items()
+               if k in ("cmdstat_evalsha", "cmdstat_eval") and isinstance(v, dict))
 
 
 def _text(value: bytes | str | None) -> str:
