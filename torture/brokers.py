@@ -61,8 +61,8 @@ from torture.redis_sets import LocalCluster, LocalSentinelSet, node_client, wait
 
 log = logging.getLogger("torture")
 
-SINGLE_FAULTS = ("redis.kill_persistent", "redis.restart_empty", "redis.stall",
-                 "redis.refuse_appends")
+QUICK_FAULTS = ("redis.kill_persistent", "redis.restart_empty", "redis.stall")
+SINGLE_FAULTS = (*QUICK_FAULTS, "redis.refuse_appends")
 REFUSAL_WAIT_S = 15.0  # longest wait for a relay to be refused once maxmemory is set
 REPLICATED_FAULTS = ("redis.failover", "redis.stall")
 CUT_OFF_S = (1.0, 5.0)  # below the failure timeout: the stopped replica must stay electable
@@ -135,8 +135,9 @@ class SingleRedis:
 
     def __init__(
         self, workdir: Path, stream_keys: list[str], probe: Probe,
-        stall_s: tuple[float, float] = (1.0, 3.0),
+        stall_s: tuple[float, float] = (1.0, 3.0), faults: tuple[str, ...] = SINGLE_FAULTS,
     ) -> None:
+        self.faults = faults
         self.server = RedisServer(workdir)
         self.server.start()
         self.url = self.server.url

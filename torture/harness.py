@@ -45,6 +45,8 @@ from outbox_relay.shared.schema import outbox
 from outbox_relay.shared.settings import parse_duration
 from torture import app, check, ledger
 from torture.brokers import (
+    QUICK_FAULTS,
+    SINGLE_FAULTS,
     Broker,
     ClusterRedis,
     FailoverTally,
@@ -559,7 +561,12 @@ def broker(
     without WAIT a failover must find its burst marked (else it is called off and retried)."""
     stream_keys = [keys.stream_key(prefix, s, p) for s in ALL_STREAMS for p in range(PARTITIONS)]
     if mode == "single":
-        return SingleRedis(workdir, stream_keys, LedgerProbe(engine, prefix), plan.stall_s)
+        # The refused-append fault needs a relay to meet it (up to REFUSAL_WAIT_S a try): the
+        # full run's; the quick run in `make test` keeps its time budget (integration tests
+        # cover the refusal paths: test_relay_refusal.py, test_consumer_refusals.py).
+        faults = SINGLE_FAULTS if plan.kills else QUICK_FAULTS
+        return SingleRedis(workdir, stream_keys, LedgerProbe(engine, prefix), plan.stall_s,
+                           faults=faults)
     kind = ClusterRedis if mode == "cluster" else SentinelRedis
     return kind(workdir, stream_keys, LedgerProbe(engine, prefix),
                 expect_marks=wait_replicas == 0)

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from torture.brokers import SINGLE_FAULTS
+from torture.brokers import QUICK_FAULTS
 from torture.chaos import DB_FAULT, POINTS_BY_KIND
 
 pytestmark = [pytest.mark.acceptance, pytest.mark.timeout(660)]
@@ -71,13 +71,10 @@ def test_quick_torture_on_both_databases_loses_duplicates_and_reorders_nothing(
         for kind in KILLED_KINDS:
             for point in POINTS_BY_KIND[kind]:
                 assert run["kills"].get(point, 0) >= 1, (run["database"], point)
-        for fault in SINGLE_FAULTS:
+        for fault in QUICK_FAULTS:
             assert run["infra_faults"].get(fault, 0) >= 1
         # Each empty restart destroyed entries the outbox had marked delivered (counted while
         # Redis refused every write, torture/brokers.py): only the repair brings those back.
-        # Redis refused writes (maxmemory) until a relay was refused; the relays said so and
-        # delivered everything after (issue 28).
-        assert run["refused_per_fault"] and run["append_refusals"] > 0
         destroyed = run["destroyed_per_empty_restart"]
         assert len(destroyed) == run["infra_faults"]["redis.restart_empty"]
         assert all(n > 0 for n in destroyed), destroyed
