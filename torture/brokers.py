@@ -63,7 +63,7 @@ log = logging.getLogger("torture")
 
 QUICK_FAULTS = ("redis.kill_persistent", "redis.restart_empty", "redis.stall")
 SINGLE_FAULTS = (*QUICK_FAULTS, "redis.refuse_appends")
-REFUSAL_WAIT_S = 15.0  # longest wait for a relay to be refused once maxmemory is set
+REFUSAL_WAIT_S = 5.0  # longest wait for a relay to be refused once maxmemory is set
 REPLICATED_FAULTS = ("redis.failover", "redis.stall")
 CUT_OFF_S = (1.0, 5.0)  # below the failure timeout: the stopped replica must stay electable
 NODE_TIMEOUT_MS = 6_000
@@ -147,6 +147,7 @@ class SingleRedis:
         self.failovers = FailoverTally()
         self.destroyed: list[int] = []  # marked entries each empty restart destroyed
         self.refused: list[int] = []  # writes refused (OOM) by each refuse_appends fault
+        self.unmet = 0  # refuse_appends faults during which no relay tried to append
 
     def client(self) -> redis.Redis:
         return self.server.client()
@@ -181,8 +182,9 @@ class SingleRedis:
         relay's append scripts answer OOM) while a burst of events is committed, until a
         relay has tried to append one of them and been refused (the outbox records the failed
         attempt), then for a stall's length; then takes writes again. The relay must back off
-        and deliver everything after (the verdict requires its refusal lines). False when no
-        relay was refused within :data:`REFUSAL_WAIT_S` (none running: try later)."""
+        and deliver everything after (the verdict requires its refusal lines). When no relay
+        was refused within :data:`REFUSAL_WAIT_S`, the try is counted as unmet (the verdict
+        needs at least one met) and the loop goes on: a failed try costs one short wait."""
         client = self.server.client()
         refused = 0
         try:
@@ -205,6 +207,8 @@ class SingleRedis:
             if relay_refused():
                 refused = max(_oom_errors(client) - before[0], 1)
                 time.sleep(rng.uniform(*self.stall_s))  # the refusal lasts: the fault itself
+            else:
+                self.unmet += 1  # no relay tried meanwhile; the verdict needs one that did
         except (redis.ConnectionError, redis.TimeoutError):
             return False
         finally:
@@ -215,7 +219,9 @@ class SingleRedis:
         if refused:
             log.info("broker fault: redis.refuse_appends (%d writes refused with OOM)", refused)
             self.refused.append(refused)
-        return bool(refused)
+        else:
+            log.info("broker fault: redis.refuse_appends (no relay tried to append)")
+        return True  # a failed try costs one wait, never a loop of them
 
     def _pause_and_count_marked(self) -> int:
         """Stop every client's writes (10 s at most: the kill follows at once, or

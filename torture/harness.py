@@ -383,6 +383,8 @@ def run_one(kind: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
                           for c in kids if c.kind == "relay")
     refused = list(getattr(server, "refused", []))
     violations = verdict.violations(runs_must_finish=args.run_worker)
+    if tally.faults.get("redis.refuse_appends") and not refused:
+        violations.append("refused_appends_never_met_a_relay")
     if refused and not append_refusals:
         violations.append("refused_appends_not_backed_off")
     violations += plan_violations(plan, tally, outage_failed, verdict.chained_applied)
@@ -416,6 +418,7 @@ def run_one(kind: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
         "lacked_distinct": lacked_distinct,
         "destroyed_per_empty_restart": getattr(server, "destroyed", []),
         "refused_per_fault": refused, "append_refusals": append_refusals,
+        "refusals_unmet": getattr(server, "unmet", 0),
         "unavailable_exits": dict(sorted(tally.unavailable_exits.items())),
         "retention": {"settings": retention_env(args.retention), **retained},
         **verdict.as_dict(), "violations": violations,
