@@ -263,7 +263,7 @@ def test_install_registers_the_periodic_task_and_its_counters(
     assert hygiene.install(short) is not None and short.periodic[-1].interval_s == 0.05
     off = consumer(consumer_idle_s=0, retention_dead_letters=0)
     assert hygiene.install(off) is None
-    assert [t.name for t in off.periodic] == ["partition count check"]
+    assert [t.name for t in off.periodic] == ["partition count check", "progress"]
     assert off.hygiene_stats is None
 
 

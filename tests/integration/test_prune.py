@@ -347,7 +347,8 @@ def test_dry_run_counts_and_deletes_nothing(
                                            retention_runs="7d")
     report = retention.prune_all(engine, settings, dry_run=True)
     assert report["pruned"] == {"outbox_events": 3, "outbox_inbox": 1,
-                                "outbox_inbox_heads": 1, "outbox_runs": 1}
+                                "outbox_inbox_heads": 1, "outbox_consumer_retries": 0,
+                                "outbox_runs": 1}
     assert _sizes(engine) == before
     done = retention.prune_all(engine, settings, dry_run=False)
     assert done["pruned"] == report["pruned"]
@@ -370,7 +371,8 @@ def test_cli_prune_dry_run_json(
     report = json.loads(proc.stdout)
     assert report["dry_run"] is True
     assert report["pruned"] == {"outbox_events": 3, "outbox_inbox": 1,
-                                "outbox_inbox_heads": 1, "outbox_runs": 1}
+                                "outbox_inbox_heads": 1, "outbox_consumer_retries": 0,
+                                "outbox_runs": 1}
     assert _sizes(engine) == before
 
     # No database file is ever created, and the problem is one clean line.
