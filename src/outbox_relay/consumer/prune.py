@@ -254,26 +254,37 @@ class InboxPruner:
         self, out: InboxPruned, cutoff: int, max_batches: int | None, dry_run: bool
     ) -> None:
         h = inbox_heads.c
-        old = h.updated_at_ms < cutoff
+        out.heads += self._delete_old(
+            inbox_heads, (h.group_name, h.aggregate_type, h.aggregate_id), h.updated_at_ms,
+            cutoff, out, max_batches, dry_run)
+
+    def _delete_old(
+        self, table: Any, key_columns: tuple[Any, ...], age: Any, cutoff: int,
+        out: InboxPruned, max_batches: int | None, dry_run: bool,
+    ) -> int:
+        """Delete the rows of ``table`` whose ``age`` column is below ``cutoff``, oldest first,
+        ``batch`` rows per transaction (skipping rows another pruner holds, on PostgreSQL),
+        at most ``max_batches`` transactions (then ``out.more``); rows deleted, or with
+        ``dry_run`` rows that would be."""
+        old = age < cutoff
         if dry_run:
             with self.engine.connect() as conn:
-                out.heads += int(conn.execute(select(func.count()).where(old)).scalar_one())
-            return
-        key = tuple_(h.group_name, h.aggregate_type, h.aggregate_id)
-        picked = select(h.group_name, h.aggregate_type, h.aggregate_id).where(old).order_by(
-            h.updated_at_ms).limit(self.batch)
+                return int(conn.execute(
+                    select(func.count()).select_from(table).where(old)).scalar_one())
+        picked = select(*key_columns).where(old).order_by(age).limit(self.batch)
         if self._postgres:
             picked = picked.with_for_update(skip_locked=True)
-        statement = delete(inbox_heads).where(key.in_(picked))
-        done = 0
+        statement = delete(table).where(tuple_(*key_columns).in_(picked))
+        total = done = 0
         while max_batches is None or done < max_batches:
             with self.engine.begin() as conn:
                 deleted = int(conn.execute(statement).rowcount or 0)
-            out.heads += deleted
+            total += deleted
             done += 1
             if deleted < self.batch:
-                return
+                return total
         out.more = True
+        return total
 
 
     # -- retry rows -----------------------------------------------------------------------------
@@ -290,27 +301,8 @@ class InboxPruner:
         destroyed), or nobody consumed the group for that long, in which case the event's
         attempts start over at its next failure. Kept, such rows would grow without bound."""
         r = consumer_retries.c
-        old = r.updated_at_ms < cutoff
-        if dry_run:
-            with self.engine.connect() as conn:
-                out.retries += int(conn.execute(
-                    select(func.count()).select_from(consumer_retries).where(old)).scalar_one())
-            return
-        key = tuple_(r.group_name, r.event_id)
-        picked = select(r.group_name, r.event_id).where(old).order_by(
-            r.updated_at_ms).limit(self.batch)
-        if self._postgres:
-            picked = picked.with_for_update(skip_locked=True)
-        statement = delete(consumer_retries).where(key.in_(picked))
-        done = 0
-        while max_batches is None or done < max_batches:
-            with self.engine.begin() as conn:
-                deleted = int(conn.execute(statement).rowcount or 0)
-            out.retries += deleted
-            done += 1
-            if deleted < self.batch:
-                return
-        out.more = True
+        out.retries += self._delete_old(consumer_retries, (r.group_name, r.event_id),
+                                        r.updated_at_ms, cutoff, out, max_batches, dry_run)
 
 
 def read_letters(client: redis.Redis, dead_key: str) -> _Letters:
