@@ -195,10 +195,10 @@ def test_relay_killed_between_xadd_and_mark(
     engine: Engine, redis_client: redis.Redis, key_prefix: str, appended: str
 ) -> None:
     ids = enqueue_events(engine, 24)
-    leases = store.acquire_leases(engine, "doomed", PARTITIONS, TTL, now_ms())
+    leases = store.acquire_leases(engine, "doomed", PARTITIONS, TTL)
     landed = 0
     for partition, epoch in leases.items():
-        rows = store.take_batch(engine, partition, "doomed", epoch, 100, TTL, now_ms())
+        rows = store.take_batch(engine, partition, "doomed", epoch, 100, TTL)
         if appended == "half":
             rows = rows[: len(rows) // 2]
         verdicts = append.append(redis_client, key_prefix, rows, epoch)
@@ -335,30 +335,30 @@ def test_fenced_out_relay_cannot_mark_and_its_late_xadd_does_not_duplicate(
 ) -> None:
     ids = enqueue_events(engine, 12, aggregates=1)
     partition = partition_of("agg-0")
-    old = store.acquire_leases(engine, "old", PARTITIONS, TTL, now_ms())
-    stale_rows = store.take_batch(engine, partition, "old", old[partition], 100, TTL, now_ms())
+    old = store.acquire_leases(engine, "old", PARTITIONS, TTL)
+    stale_rows = store.take_batch(engine, partition, "old", old[partition], 100, TTL)
     assert len(stale_rows) == 12
     expire_lease(engine, partition)  # "old" stalls past its lease
-    new = store.acquire_leases(engine, "new", PARTITIONS, TTL, now_ms())
+    new = store.acquire_leases(engine, "new", PARTITIONS, TTL)
     assert new[partition] == old[partition] + 1
-    fresh_rows = store.take_batch(engine, partition, "new", new[partition], 100, TTL, now_ms())
+    fresh_rows = store.take_batch(engine, partition, "new", new[partition], 100, TTL)
     assert [r.entry_id for r in fresh_rows] == [r.entry_id for r in stale_rows]
 
     if late_xadd == "before_takeover_append":
         append.append(redis_client, key_prefix, stale_rows, old[partition])
     verdicts = append.append(redis_client, key_prefix, fresh_rows, new[partition])
     assert verdicts.already == (12 if late_xadd == "before_takeover_append" else 0)
-    store.settle(engine, partition, "new", new[partition], TTL, now_ms(),
+    store.settle(engine, partition, "new", new[partition], TTL,
                  delivered=verdicts.delivered, gaps=verdicts.gaps, failed=verdicts.failed)
     if late_xadd == "after_takeover_mark":  # the fence in Redis refuses it outright
         with pytest.raises(LeaseLostError):
             append.append(redis_client, key_prefix, stale_rows, old[partition])
     with pytest.raises(LeaseLostError) as info:
-        store.settle(engine, partition, "old", old[partition], TTL, now_ms(),
+        store.settle(engine, partition, "old", old[partition], TTL,
                      delivered=[(r.seq, r.entry_id) for r in stale_rows], gaps=[], failed=[])
     assert info.value.code == "lease_lost"
     with pytest.raises(LeaseLostError):
-        store.take_batch(engine, partition, "old", old[partition], 100, TTL, now_ms())
+        store.take_batch(engine, partition, "old", old[partition], 100, TTL)
     stale_relay = Relay(relay_settings(key_prefix, node_id="old"), engine, redis_client)
     with pytest.raises(LeaseLostError):
         stale_relay.relay_partition(partition, old[partition])
@@ -372,8 +372,8 @@ def claim_three(engine: Engine) -> tuple[list[str], int, int, list[outgoing.Outb
     epoch, rows)."""
     ids = enqueue_events(engine, 3, aggregates=1)
     partition = partition_of("agg-0")
-    leases = store.acquire_leases(engine, "a", PARTITIONS, TTL, now_ms())
-    rows = store.take_batch(engine, partition, "a", leases[partition], 100, TTL, now_ms())
+    leases = store.acquire_leases(engine, "a", PARTITIONS, TTL)
+    rows = store.take_batch(engine, partition, "a", leases[partition], 100, TTL)
     return ids, partition, leases[partition], rows
 
 
@@ -515,7 +515,7 @@ def test_relays_started_together_split_the_partitions_under_until_idle(
     the outbox idle while A holds partitions with rows to send: it waits, takes its share when
     A's next lease round gives it up, takes the rest when A stops, and exits once all is sent."""
     ids = enqueue_events(engine, 40)  # 8 aggregates over the 4 partitions
-    a = store.acquire_leases(engine, "relay-a", PARTITIONS, 60_000, now_ms())
+    a = store.acquire_leases(engine, "relay-a", PARTITIONS, 60_000)
     assert sorted(a) == list(range(PARTITIONS))  # alone: all four
     b = Relay(relay_settings(key_prefix, node_id="relay-b"), engine, redis_client)
     done: list[object] = []
@@ -526,7 +526,7 @@ def test_relays_started_together_split_the_partitions_under_until_idle(
                    what="relay B's rounds while A holds all")
         assert thread.is_alive(), "relay B called the outbox idle while A holds its rows"
         assert not b.leases and undelivered(engine) == 40
-        a = store.acquire_leases(engine, "relay-a", PARTITIONS, 60_000, now_ms())
+        a = store.acquire_leases(engine, "relay-a", PARTITIONS, 60_000)
         assert len(a) == PARTITIONS // 2  # two live relays: A keeps its fair share
         mine = set(range(PARTITIONS)) - set(a)
         wait_until(lambda: set(b.leases) == mine, what="relay B taking the freed partitions")
@@ -547,7 +547,7 @@ def test_release_locks_lease_rows_in_partition_order_as_acquire_does(engine: Eng
     """Leases won as {kept..., taken...} (say 2, 3, then 0) are released in partition order:
     a release walking them as won could wait on row 0 held by an acquiring relay that waits on
     row 2 (``acquire_leases`` locks in partition order), a deadlock."""
-    held = store.acquire_leases(engine, "relay-a", PARTITIONS, 60_000, now_ms())
+    held = store.acquire_leases(engine, "relay-a", PARTITIONS, 60_000)
     won = {p: held[p] for p in (2, 3, 0, 1)}  # the order _rebalance can produce
     released: list[int] = []
 

@@ -156,7 +156,7 @@ def test_entries_the_relay_appended_are_never_foreign(
     more = enqueue_events(engine, 2, aggregates=1, first=3)
     partition = partition_of(AGG)
     epoch = relay.leases[partition]
-    rows = store.take_batch(engine, partition, relay.node_id, epoch, 100, 10_000, now_ms())
+    rows = store.take_batch(engine, partition, relay.node_id, epoch, 100, 10_000)
     verdicts = append.append(redis_client, key_prefix, rows, epoch)
     assert len(verdicts.delivered) == 2  # in the stream, not marked delivered
 

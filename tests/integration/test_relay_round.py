@@ -11,7 +11,6 @@ from sqlalchemy import Engine, event
 
 from outbox_relay.relay import append, store
 from outbox_relay.relay.daemon import Relay
-from outbox_relay.shared.db import now_ms
 from outbox_relay.shared.errors import LeaseLostError
 from tests.helpers import PARTITIONS, enqueue_events, outbox_rows, relay_settings, undelivered
 from tests.integration.test_relay import assert_all_marked, assert_each_once, expire_lease
@@ -75,7 +74,7 @@ def test_a_partition_fenced_out_before_the_take_leaves_the_rest_of_the_round_del
     ids = enqueue_events(engine, 24, aggregates=8)
     relay = relay_holding_everything(engine, redis_client, key_prefix)
     expire_lease(engine, 2)  # relay "a" stalled; "b" took partition 2 over
-    assert list(store.acquire_leases(engine, "b", PARTITIONS, TTL, now_ms())) == [2]
+    assert list(store.acquire_leases(engine, "b", PARTITIONS, TTL)) == [2]
 
     relay.run_once()
 
@@ -99,7 +98,7 @@ def test_a_partition_fenced_out_after_its_append_is_left_to_its_new_owner_by_id(
         verdicts = real(*args, **kwargs)
         if args[2][0].partition == 1:  # appended under "a"'s epoch; "b" takes over now
             expire_lease(engine, 1)
-            assert list(store.acquire_leases(engine, "b", PARTITIONS, TTL, now_ms())) == [1]
+            assert list(store.acquire_leases(engine, "b", PARTITIONS, TTL)) == [1]
         return verdicts
 
     monkeypatch.setattr(append, "append", steal_partition_1_after_its_append)
@@ -111,7 +110,7 @@ def test_a_partition_fenced_out_after_its_append_is_left_to_its_new_owner_by_id(
     assert left and {r.partition for r in left} == {1}  # "a" could not mark them
     assert relay.stats.delivered == 24 - len(left)
     with pytest.raises(LeaseLostError):  # and "a" cannot take them again
-        store.take_batch(engine, 1, "a", 1, 100, TTL, now_ms())
+        store.take_batch(engine, 1, "a", 1, 100, TTL)
     stats = Relay(relay_settings(key_prefix, node_id="b"), engine, redis_client).run(
         until_idle=True)
     assert stats.already_present == len(left)  # retried under the ids "a" appended them with

@@ -15,7 +15,6 @@ from outbox_relay.relay import entry_ids, repair, store
 from outbox_relay.relay.daemon import Relay
 from outbox_relay.runs.schema import runs
 from outbox_relay.shared import keys
-from outbox_relay.shared.db import now_ms
 from outbox_relay.shared.schema import outbox
 from outbox_relay.shared.settings import RelaySettings
 from tests.conftest import REDIS_URL
@@ -90,7 +89,7 @@ def test_total_loss_is_refilled_with_original_ids(
 
 
 def _take_leases(engine: Engine) -> dict[int, int]:
-    leases = {p: store.take_free_lease(engine, p, "repair-test", 10_000, now_ms())
+    leases = {p: store.take_free_lease(engine, p, "repair-test", 10_000)
               for p in range(PARTITIONS)}
     assert None not in leases.values()
     return {p: e for p, e in leases.items() if e is not None}

@@ -11,20 +11,20 @@ from typing import Any
 
 import pytest
 import redis
-from sqlalchemy import Engine
+from sqlalchemy import Engine, update
 
 from outbox_relay.relay import entry_ids, repair, repair_streams, store
 from outbox_relay.relay.daemon import Relay
 from outbox_relay.shared import keys
-from outbox_relay.shared.db import now_ms
 from outbox_relay.shared.errors import LeaseLostError
+from outbox_relay.shared.schema import relay_leases
 from tests.integration.test_repair import _enqueue, _expected, _in_stream, _settings
 
 pytestmark = pytest.mark.integration
 
 
 def _take_lease(engine: Engine, partition: int) -> int:
-    epoch = store.take_free_lease(engine, partition, "rebuild-test", 30_000, now_ms())
+    epoch = store.take_free_lease(engine, partition, "rebuild-test", 30_000)
     assert epoch is not None
     return epoch
 
@@ -143,8 +143,12 @@ def test_rebuild_fenced_out_before_the_swap_changes_nothing(
 
 
 def _take_lease_after_expiry(engine: Engine, partition: int) -> int:
-    """Another node takes the partition once our lease lapsed (its epoch is higher)."""
-    epoch = store.take_free_lease(engine, partition, "other-node", 30_000, now_ms() + 60_000)
+    """Another node takes the partition once our lease lapsed (its epoch is higher). The lapse
+    is written on the lease row: leases expire by the database's clock, not a caller's."""
+    with engine.begin() as conn:
+        conn.execute(update(relay_leases).where(relay_leases.c.partition == partition)
+                     .values(expires_at_ms=0))
+    epoch = store.take_free_lease(engine, partition, "other-node", 30_000)
     assert epoch is not None
     return epoch
 

@@ -92,7 +92,7 @@ def check_streams(
             "action": None, "repaired_entries": 0,
         }
         if f.reason is not None and not dry_run:
-            epoch = store.take_free_lease(engine, partition, node, LEASE_TTL_MS, now_ms())
+            epoch = store.take_free_lease(engine, partition, node, LEASE_TTL_MS)
             if epoch is None:
                 item["action"] = "left to the relay holding the partition"
             else:

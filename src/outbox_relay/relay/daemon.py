@@ -237,7 +237,7 @@ class Relay:
         s = self.settings
         self._waiting = self.refusals.waiting()
         taken, lost = store.take_batches(self.engine, self.node_id, epochs, s.batch_size,
-                                         s.lease_ttl_ms, now_ms(), self._waiting)
+                                         s.lease_ttl_ms, self._waiting)
         for partition in lost:
             self._lease_lost(partition, epochs[partition])
         if not taken:
@@ -304,8 +304,7 @@ class Relay:
             outcomes.append(store.Settlement(
                 partition, epochs[partition], v.delivered, v.gaps, v.failed, v.stream_top,
                 news[partition] if v.delivered else set(), drop_recorded=not v.complete))
-        lost = store.settle_batches(self.engine, self.node_id, s.lease_ttl_ms, now_ms(),
-                                    outcomes)
+        lost = store.settle_batches(self.engine, self.node_id, s.lease_ttl_ms, outcomes)
         faults.point("relay.after_mark")
         for partition in lost:
             self._lease_lost(partition, epochs[partition])
@@ -394,7 +393,7 @@ class Relay:
     ) -> list[outgoing.OutboxRow]:
         s = self.settings
         rows = store.take_batch(
-            self.engine, partition, self.node_id, epoch, s.batch_size, s.lease_ttl_ms, now_ms(),
+            self.engine, partition, self.node_id, epoch, s.batch_size, s.lease_ttl_ms,
             after_seq=after_seq, inflight=[r.seq for r in inflight or ()],
             waiting=self._waiting.get(partition, frozenset()),
         )
@@ -453,7 +452,7 @@ class Relay:
         s = self.settings
         new_streams = {(r.stream, r.partition) for r in rows} - self._streams_seen
         taken = store.settle(
-            self.engine, partition, self.node_id, epoch, s.lease_ttl_ms, now_ms(),
+            self.engine, partition, self.node_id, epoch, s.lease_ttl_ms,
             delivered=verdicts.delivered, gaps=verdicts.gaps, failed=verdicts.failed,
             stream_top=verdicts.stream_top, take_after=take_after, batch_size=s.batch_size,
             inflight=[r.seq for r in inflight or ()], drop_recorded=not verdicts.complete,
@@ -502,9 +501,7 @@ class Relay:
         if now < self._next_lease_check:
             return
         s = self.settings
-        leases = store.acquire_leases(
-            self.engine, self.node_id, s.partitions, s.lease_ttl_ms, now_ms()
-        )
+        leases = store.acquire_leases(self.engine, self.node_id, s.partitions, s.lease_ttl_ms)
         self.leases_tried_at = now  # a lease round that succeeded (readiness)
         self.stats.lease_acquisitions += sum(self.leases.get(p) != e for p, e in leases.items())
         self.leases = leases

@@ -269,7 +269,7 @@ def settle_foreign(
     ours = store.accounted_ids(engine, finding.stream, partition, above)
     ceiling = max([last, *ours], key=entry_ids.parse)
     if ceiling != last:  # ids an outbox row holds (an earlier relay version's): ours
-        store.raise_last_assigned(engine, partition, node_id, epoch, ttl_ms, now_ms(), ceiling)
+        store.raise_last_assigned(engine, partition, node_id, epoch, ttl_ms, ceiling)
     # Entries below the clock are passed by the relay's next ids (``<now ms>-<seq>``, relay/
     # entry_ids.py): they halt nothing and stay for the consumers (which dead-letter what is
     # invalid or unsigned). Only those the relay's ids cannot pass are moved.
@@ -282,13 +282,12 @@ def settle_foreign(
         if not entry_ids.greater(state.top, ceiling):
             return None
         if entry_ids.parse(state.top)[0] <= now + ADOPT_AHEAD_MS:
-            store.raise_last_assigned(engine, partition, node_id, epoch, ttl_ms, now_ms(),
-                                      state.top)
+            store.raise_last_assigned(engine, partition, node_id, epoch, ttl_ms, state.top)
             log.warning("repair: %s: its last id %s is above every id the relay assigned "
                         "(%s) but holds no entry there; the relay's ids continue above it",
                         finding.key, state.top, ceiling)
             return 0, "adopted"
-    store.renew_lease(engine, partition, node_id, epoch, ttl_ms, now_ms())
+    store.renew_lease(engine, partition, node_id, epoch, ttl_ms)
     rows = store.delivered_rows(engine, finding.stream, partition)
     if rebuild(client, finding, epoch, rows, maxlen, chunk, signer, ceiling=ceiling) is None:
         log.warning("repair of %s (foreign_entry) starts over: the stream changed meanwhile",
@@ -397,7 +396,7 @@ class Repairer:
         s = self.settings
         try:
             store.renew_lease(self.engine, finding.partition, self.node_id, epoch,
-                              s.lease_ttl_ms, now_ms())
+                              s.lease_ttl_ms)
         except LeaseLostError:
             log.warning("repair of %s skipped: partition lease lost", finding.key)
             return 0
@@ -423,7 +422,7 @@ class Repairer:
         reach (it adopted a foreign maximum id) gets a last id new batches can follow."""
         try:
             reset = store.reset_unreachable_last(self.engine, partition, self.node_id, epoch,
-                                                 self.settings.lease_ttl_ms, now_ms())
+                                                 self.settings.lease_ttl_ms)
         except LeaseLostError:
             return
         if reset is not None:

@@ -8,6 +8,13 @@ selection of the outgoing batch, run inside a transaction opened here once the l
 Each public function runs one short transaction and returns plain data; none is ever held open
 across a Redis call. Every write that depends on owning a partition re-checks the lease's owner
 and fencing epoch in the same transaction, so a relay that lost its lease cannot mark anything.
+
+Lease expiries (of partition leases and of relay node heartbeats) are written and compared with
+the database's clock (:func:`shared.db.db_now_ms`), never a relay host's, as the consumers'
+leases are (consumer/ownership.py): of two relay hosts whose clocks differ by more than the
+lease TTL, the one ahead would otherwise see the other's leases and heartbeat as expired and
+take its partitions, back and forth (issue #25). No public function here takes a lease's "now"
+from its caller.
 """
 
 from __future__ import annotations
@@ -48,7 +55,7 @@ from outbox_relay.relay.outgoing import (
     sendable,
     take_fresh,
 )
-from outbox_relay.shared.db import db_now_ms, is_postgres, json_recordset, now_ms, translate_errors
+from outbox_relay.shared.db import db_now_ms, is_postgres, json_recordset, translate_errors
 from outbox_relay.shared.errors import LeaseLostError
 from outbox_relay.shared.schema import (
     outbox,
@@ -63,16 +70,27 @@ def _upsert(conn: Connection) -> Any:
     return postgresql.insert if is_postgres(conn) else sqlite.insert
 
 
-def acquire_leases(
-    engine: Engine, node_id: str, partitions: int, ttl_ms: int, now: int
-) -> dict[int, int]:
+def _db_now(conn: Connection) -> int:
+    """The database's clock (epoch ms), read once in the caller's transaction: every relay host
+    compares lease and heartbeat expiries with the same clock, whatever its own says (a host
+    ahead by more than the TTL saw every other relay as expired and took all partitions)."""
+    return int(conn.execute(select(db_now_ms(is_postgres(conn)))).scalar_one())
+
+
+def acquire_leases(engine: Engine, node_id: str, partitions: int, ttl_ms: int) -> dict[int, int]:
     """Heartbeat this node and take its fair share of partitions; return ``{partition: epoch}``.
 
     Fair share is ``ceil(partitions / live nodes)``. A node above its share releases the extra
     partitions; a node below it takes free or expired ones, bumping their epoch (the fence).
+    Heartbeats, the live count and lease expiries all use the database's clock, read once
+    here (:func:`_db_now`, inside the transaction: on SQLite after ``BEGIN IMMEDIATE`` got the
+    write lock), not the relay host's: hosts' clocks may differ by more than the TTL. On
+    PostgreSQL the lease rows' lock may be waited for after that read: an older "now" only
+    writes expiries a little shorter and sees leases expire a little later, never takes a
+    live one.
     """
     with translate_errors(), engine.begin() as conn:
-        now = max(now, now_ms())  # the lock may have been waited for (SQLite)
+        now = _db_now(conn)
         ins = _upsert(conn)
         conn.execute(
             ins(relay_nodes)
@@ -103,6 +121,8 @@ def acquire_leases(
 def _rebalance(
     conn: Connection, rows: Any, node_id: str, fair: int, ttl_ms: int, now: int
 ) -> dict[int, int]:
+    """Renew, release and take leases (``rows``, locked) for a share of ``fair``; ``now`` is
+    the database's clock :func:`acquire_leases` read."""
     mine = [r for r in rows if r.owner == node_id and r.expires_at_ms > now]
     free = [r for r in rows if r.owner is None or r.expires_at_ms <= now]
     held: dict[int, int] = {}
@@ -151,32 +171,36 @@ def release_leases(engine: Engine, node_id: str, leases: dict[int, int]) -> None
         conn.execute(delete(relay_nodes).where(relay_nodes.c.node_id == node_id))
 
 
-def _check_lease(
-    conn: Connection, partition: int, node_id: str, epoch: int, now: int, ttl_ms: int
-) -> None:
-    result = conn.execute(_renew_query(), _lease_params(partition, node_id, epoch, now, ttl_ms))
+def _check_lease(conn: Connection, partition: int, node_id: str, epoch: int, ttl_ms: int) -> None:
+    result = conn.execute(_renew_query(is_postgres(conn)),
+                          _lease_params(partition, node_id, epoch, ttl_ms))
     if result.rowcount != 1:
         raise LeaseLostError(f"partition {partition} is no longer ours (epoch {epoch})")
 
 
-def _lease_params(
-    partition: int, node_id: str, epoch: int, now: int, ttl_ms: int
-) -> dict[str, Any]:
-    """The parameters of :func:`_ours_bound` (and the lease's new expiry, ``b_expires``)."""
-    return {"b_part": partition, "b_node": node_id, "b_epoch": epoch, "b_now": now,
-            "b_expires": now + ttl_ms}
+def _lease_params(partition: int, node_id: str, epoch: int, ttl_ms: int) -> dict[str, Any]:
+    """The parameters of :func:`_ours_bound` (and of the lease's new expiry, the database's
+    clock plus ``b_ttl``: :func:`_new_expiry`)."""
+    return {"b_part": partition, "b_node": node_id, "b_epoch": epoch, "b_ttl": ttl_ms}
 
 
-def _ours_bound() -> tuple[Any, ...]:
+def _ours_bound(postgres: bool) -> tuple[Any, ...]:
     """The lease row of partition ``b_part`` as long as node ``b_node`` holds it at epoch
-    ``b_epoch`` (the fence) and it has not expired at ``b_now`` (:func:`_lease_params`)."""
-    now = bindparam("b_now", type_=BigInteger)
+    ``b_epoch`` (the fence) and it has not expired by the database's clock
+    (:func:`_lease_params`). Not by the relay host's clock: a host whose clock runs ahead of
+    another's by more than the TTL would see that relay's lease as expired (issue #25)."""
     return (
         relay_leases.c.partition == bindparam("b_part", type_=Integer),
         relay_leases.c.owner == bindparam("b_node", type_=String),
         relay_leases.c.epoch == bindparam("b_epoch", type_=BigInteger),
-        relay_leases.c.expires_at_ms > now,
+        relay_leases.c.expires_at_ms > db_now_ms(postgres),
     )
+
+
+def _new_expiry(postgres: bool) -> Any:
+    """A renewed lease's expiry: the database's clock plus ``b_ttl`` (:func:`_lease_params`),
+    the clock every relay host compares it with."""
+    return db_now_ms(postgres) + bindparam("b_ttl", type_=BigInteger)
 
 
 @functools.cache
@@ -186,32 +210,33 @@ def _fence_query(postgres: bool, idle_skip: bool) -> Any:
     statements on each call took 15-20 % of the relay thread's profile (SQLAlchemy memoizes
     the cache key of a statement object it sees again; a new object is keyed anew, a tree
     walk). Parameters: :func:`_lease_params`."""
-    stmt = update(relay_leases).where(*_ours_bound())
+    stmt = update(relay_leases).where(*_ours_bound(postgres))
     if idle_skip:
         pending = sendable(bindparam("b_part", type_=Integer), db_now_ms(postgres), None)
         stmt = stmt.where(
             or_(relay_leases.c.inflight != "[]", first_sendable(pending).is_not(None))
         )
-    return stmt.values(expires_at_ms=bindparam("b_expires", type_=BigInteger)).returning(
+    return stmt.values(expires_at_ms=_new_expiry(postgres)).returning(
         relay_leases.c.last_entry_id, relay_leases.c.inflight, db_now_ms(postgres)
     )
 
 
 @functools.cache
-def _renew_query() -> Any:
-    """Extend the lease if it is still ours (no row changes if not), built once."""
-    return (update(relay_leases).where(*_ours_bound())
-            .values(expires_at_ms=bindparam("b_expires", type_=BigInteger)))
+def _renew_query(postgres: bool) -> Any:
+    """Extend the lease if it is still ours (no row changes if not), built once per dialect."""
+    return (update(relay_leases).where(*_ours_bound(postgres))
+            .values(expires_at_ms=_new_expiry(postgres)))
 
 
 @functools.cache
-def _lease_held() -> Any:
-    """Whether the lease is ours (a read), built once; parameters: :func:`_lease_params`."""
-    return select(relay_leases.c.partition).where(*_ours_bound())
+def _lease_held(postgres: bool) -> Any:
+    """Whether the lease is ours (a read), built once per dialect; parameters:
+    :func:`_lease_params`."""
+    return select(relay_leases.c.partition).where(*_ours_bound(postgres))
 
 
 def _fence(
-    conn: Connection, partition: int, node_id: str, epoch: int, now: int, ttl_ms: int,
+    conn: Connection, partition: int, node_id: str, epoch: int, ttl_ms: int,
     *, idle_skip: bool = False,
 ) -> tuple[str, list[Batch], int] | None:
     """Fence and extend our lease in one statement; the lease's last entry id and batches, and
@@ -224,12 +249,17 @@ def _fence(
     writes nothing (on SQLite, no WAL commit and fsync competing with producers for the write lock)
     and None comes back; the lease is still verified by a read (and extended by the relay's
     periodic :func:`acquire_leases`). Raises :class:`LeaseLostError` when fenced out.
+
+    The lease is tested and extended by that same database clock, never the relay host's
+    (hosts' clocks may differ by more than the TTL), and the caller uses the returned clock
+    for whatever else the transaction timestamps (``delivered_at_ms``), so the relay has one.
     """
-    params = _lease_params(partition, node_id, epoch, now, ttl_ms)
-    found = conn.execute(_fence_query(is_postgres(conn), idle_skip), params).first()
+    postgres = is_postgres(conn)
+    params = _lease_params(partition, node_id, epoch, ttl_ms)
+    found = conn.execute(_fence_query(postgres, idle_skip), params).first()
     if found is not None:
         return str(found[0]), load_batches(found[1]), int(found[2])
-    if not idle_skip or conn.execute(_lease_held(), params).first() is None:
+    if not idle_skip or conn.execute(_lease_held(postgres), params).first() is None:
         raise LeaseLostError(f"partition {partition} is no longer ours (epoch {epoch})")
     return None
 
@@ -255,7 +285,6 @@ def take_batch(
     epoch: int,
     batch_size: int,
     ttl_ms: int,
-    now: int,
     *,
     after_seq: int | None = None,
     inflight: Sequence[int] = (),
@@ -274,16 +303,16 @@ def take_batch(
     appended. A row is held back while an earlier undelivered row of its aggregate is neither
     in ``inflight`` nor ahead of it in the batch (:mod:`relay.outgoing`). Raises
     :class:`LeaseLostError` when fenced out. Rows of the streams in ``waiting`` (backing off
-    after a refusal, relay/refusals.py) are not taken.
+    after a refusal, relay/refusals.py) are not taken. The lease is fenced and extended by the
+    database's clock (:func:`_fence`).
     """
     with translate_errors(), engine.begin() as conn:
-        now = max(now, now_ms())  # the lock may have been waited for (SQLite)
-        return _take(conn, partition, node_id, epoch, batch_size, ttl_ms, now,
+        return _take(conn, partition, node_id, epoch, batch_size, ttl_ms,
                      after_seq=after_seq, inflight=inflight, waiting=waiting)
 
 
 def take_batches(
-    engine: Engine, node_id: str, leases: dict[int, int], batch_size: int, ttl_ms: int, now: int,
+    engine: Engine, node_id: str, leases: dict[int, int], batch_size: int, ttl_ms: int,
     waiting: dict[int, frozenset[str]] | None = None,
 ) -> tuple[dict[int, list[OutboxRow]], list[int]]:
     """:func:`take_batch` (without ``after_seq``) for several partitions in **one**
@@ -298,11 +327,10 @@ def take_batches(
     taken: dict[int, list[OutboxRow]] = {}
     lost: list[int] = []
     with translate_errors(), engine.begin() as conn:
-        now = max(now, now_ms())  # the lock may have been waited for (SQLite)
         for partition in sorted(leases):
             try:
                 rows = _take(conn, partition, node_id, leases[partition], batch_size, ttl_ms,
-                             now, waiting=(waiting or {}).get(partition, frozenset()))
+                             waiting=(waiting or {}).get(partition, frozenset()))
             except LeaseLostError:
                 lost.append(partition)
                 continue
@@ -313,17 +341,17 @@ def take_batches(
 
 def _take(
     conn: Connection, partition: int, node_id: str, epoch: int, batch_size: int, ttl_ms: int,
-    now: int, *, after_seq: int | None = None, inflight: Sequence[int] = (),
+    *, after_seq: int | None = None, inflight: Sequence[int] = (),
     waiting: frozenset[str] = frozenset(),
 ) -> list[OutboxRow]:
     """The body of :func:`take_batch`, in the caller's transaction."""
     if after_seq is not None:
-        lease = _fence(conn, partition, node_id, epoch, now, ttl_ms)
+        lease = _fence(conn, partition, node_id, epoch, ttl_ms)
         assert lease is not None
         last, batches, db_now = lease
         return take_fresh(conn, partition, epoch, batch_size, db_now, last, batches,
                           after_seq=after_seq, inflight=inflight, waiting=waiting)
-    found = _fence(conn, partition, node_id, epoch, now, ttl_ms, idle_skip=True)
+    found = _fence(conn, partition, node_id, epoch, ttl_ms, idle_skip=True)
     if found is None:
         return []
     last, batches, db_now = found
@@ -340,7 +368,9 @@ def _mark_delivered(
     conn: Connection, partition: int, pairs: list[tuple[int, str]], now: int
 ) -> None:
     """Mark ``(seq, entry_id)`` rows delivered under that id, in one statement
-    (:func:`_mark_query`). Only still-undelivered rows change."""
+    (:func:`_mark_query`), at ``now`` (the relay passes the database's clock its fence read,
+    the clock the retention prune compares ``delivered_at_ms`` with). Only still-undelivered
+    rows change."""
     if not is_postgres(conn):
         prefix = _one_batch_prefix(pairs)
         if prefix is not None:
@@ -430,7 +460,6 @@ def settle(
     node_id: str,
     epoch: int,
     ttl_ms: int,
-    now: int,
     *,
     delivered: list[tuple[int, str]],
     gaps: list[int],
@@ -463,12 +492,14 @@ def settle(
     ``register``: ``(stream, partition)`` pairs this relay process has not delivered to before;
     they are made known (:func:`register_streams`) with the mark, so no delivered row's stream
     is ever unknown to repair checks and trims, whatever crashes.
+
+    The lease is fenced and extended, and rows are marked delivered, by the database's clock
+    (:func:`_fence`), not the relay host's: hosts' clocks may differ by more than the TTL.
     """
     outcome = Settlement(partition, epoch, delivered, gaps, failed, stream_top, register,
                          drop_recorded)
     with translate_errors(), engine.begin() as conn:
-        now = max(now, now_ms())  # the lock may have been waited for (SQLite)
-        return _settle(conn, outcome, node_id, ttl_ms, now, take_after=take_after,
+        return _settle(conn, outcome, node_id, ttl_ms, take_after=take_after,
                        batch_size=batch_size, inflight=inflight, waiting=waiting)
 
 
@@ -487,39 +518,39 @@ class Settlement:
 
 
 def settle_batches(
-    engine: Engine, node_id: str, ttl_ms: int, now: int, outcomes: list[Settlement]
+    engine: Engine, node_id: str, ttl_ms: int, outcomes: list[Settlement]
 ) -> list[int]:
     """:func:`settle` (without a take) for several partitions' batches in **one** transaction;
     returns the partitions fenced out, whose rows stay as they were (their next owner retries
     the recorded batches under the same ids). Partition order, as in :func:`take_batches`."""
     lost: list[int] = []
     with translate_errors(), engine.begin() as conn:
-        now = max(now, now_ms())  # the lock may have been waited for (SQLite)
         for outcome in sorted(outcomes, key=lambda o: o.partition):
             try:
-                _settle(conn, outcome, node_id, ttl_ms, now)
+                _settle(conn, outcome, node_id, ttl_ms)
             except LeaseLostError:  # the fence changed nothing: the others still commit
                 lost.append(outcome.partition)
     return lost
 
 
 def _settle(
-    conn: Connection, o: Settlement, node_id: str, ttl_ms: int, now: int, *,
+    conn: Connection, o: Settlement, node_id: str, ttl_ms: int, *,
     take_after: int | None = None, batch_size: int = 0, inflight: Sequence[int] = (),
     waiting: frozenset[str] = frozenset(),
 ) -> list[OutboxRow]:
-    """The body of :func:`settle`, in the caller's transaction."""
+    """The body of :func:`settle`, in the caller's transaction. Rows are marked delivered (and
+    streams registered) at the database's clock the fence returned: the relay has one clock."""
     partition, epoch = o.partition, o.epoch
-    lease = _fence(conn, partition, node_id, epoch, now, ttl_ms)
+    lease = _fence(conn, partition, node_id, epoch, ttl_ms)
     assert lease is not None
     last, batches, db_now = lease
     # A stream top behind a gap is never adopted here: one above ``last`` was not written by
     # the relay (the relay's repair check moves foreign entries away, or adopts a bare top
     # near the clock: relay/repair.py), and adopting it could take an id no stream can follow.
     if o.delivered:
-        _mark_delivered(conn, partition, o.delivered, now)
+        _mark_delivered(conn, partition, o.delivered, db_now)
         if o.register:
-            _register(conn, o.register, now)
+            _register(conn, o.register, db_now)
     if o.gaps:
         conn.execute(_attempted(is_postgres(conn), gap=True),
                      {"b_part": partition, "b_seqs": o.gaps, "b_error": "ordering_gap"})
@@ -805,7 +836,7 @@ ID_PART_MAX = 2**64 - 1  # the largest ms (and seq) of a Redis stream entry id
 
 
 def reset_unreachable_last(
-    engine: Engine, partition: int, node_id: str, epoch: int, ttl_ms: int, now: int
+    engine: Engine, partition: int, node_id: str, epoch: int, ttl_ms: int
 ) -> tuple[str, str] | None:
     """Set back a last assigned id whose next batch id cannot exist (its ms is the largest a
     stream id may have, or above), fenced by the lease; ``(old, new)``, or None if in reach.
@@ -816,13 +847,14 @@ def reset_unreachable_last(
     ids and the recorded batches' (those with an invalid id dropped: never appended, their
     rows are taken again); entries above it are then foreign
     (:func:`relay.repair.settle_foreign`). If the relay's own entries are out of reach too,
-    nothing changes (the partition stays visibly refused, ``redis_error``)."""
+    nothing changes (the partition stays visibly refused, ``redis_error``). The lease is fenced
+    by the database's clock (:func:`_fence`)."""
     if entry_ids.parse(last_assigned(engine, partition))[0] < ID_PART_MAX:
         return None
     with translate_errors(), engine.begin() as conn:
-        lease = _fence(conn, partition, node_id, epoch, max(now, now_ms()), ttl_ms)
+        lease = _fence(conn, partition, node_id, epoch, ttl_ms)
         assert lease is not None
-        last, batches, _db_now = lease
+        last, batches, _ = lease
         if entry_ids.parse(last)[0] < ID_PART_MAX:
             return None
         kept = [b for b in batches if b.ms <= ID_PART_MAX]  # the others never landed
@@ -851,36 +883,37 @@ def accounted_ids(engine: Engine, stream: str, partition: int, ids: Sequence[str
 
 
 def raise_last_assigned(
-    engine: Engine, partition: int, node_id: str, epoch: int, ttl_ms: int, now: int, top: str
+    engine: Engine, partition: int, node_id: str, epoch: int, ttl_ms: int, top: str
 ) -> bool:
     """Raise the partition's last assigned entry id to ``top`` (never lower it), fenced by
-    the lease; whether it changed. The next batch's ids then go above ``top``."""
+    the lease (by the database's clock, :func:`_fence`); whether it changed. The next batch's
+    ids then go above ``top``."""
     with translate_errors(), engine.begin() as conn:
-        lease = _fence(conn, partition, node_id, epoch, max(now, now_ms()), ttl_ms)
+        lease = _fence(conn, partition, node_id, epoch, ttl_ms)
         assert lease is not None
-        last, batches, _db_now = lease
+        last, batches, _ = lease
         if not entry_ids.greater(top, last):
             return False
         record(conn, partition, epoch, batches, top)
         return True
 
 
-def renew_lease(
-    engine: Engine, partition: int, node_id: str, epoch: int, ttl_ms: int, now: int
-) -> None:
-    """Prove (and extend) that we still own ``partition`` at ``epoch``; else LeaseLostError."""
+def renew_lease(engine: Engine, partition: int, node_id: str, epoch: int, ttl_ms: int) -> None:
+    """Prove (and extend) that we still own ``partition`` at ``epoch``; else LeaseLostError.
+    Both by the database's clock, as every lease test (:func:`_ours_bound`)."""
     with translate_errors(), engine.begin() as conn:
-        _check_lease(conn, partition, node_id, epoch, now, ttl_ms)
+        _check_lease(conn, partition, node_id, epoch, ttl_ms)
 
 
-def take_free_lease(
-    engine: Engine, partition: int, node_id: str, ttl_ms: int, now: int
-) -> int | None:
+def take_free_lease(engine: Engine, partition: int, node_id: str, ttl_ms: int) -> int | None:
     """Take ``partition`` if no live relay holds it (bumping the epoch); its epoch, or None.
 
-    For one-off tools (``outbox reconcile``): a live relay's partition is left alone.
+    For one-off tools (``outbox reconcile``): a live relay's partition is left alone. "Live"
+    by the database's clock (:func:`_db_now`), the one the relays' leases use: a tool on a
+    host whose clock is ahead must not take a partition a relay holds.
     """
     with translate_errors(), engine.begin() as conn:
+        now = _db_now(conn)
         row = conn.execute(
             select(relay_leases).where(relay_leases.c.partition == partition)
         ).first()
