@@ -8,7 +8,19 @@ and shows a progress bar until every run completed. Every ``--ask-every``-th run
 one twice with the same idempotency key to show that the second call is a receipt replay that
 writes nothing. The summary counts runs completed and questions asked and answered, then shows
 the ``redis-cli`` commands to look at the streams. Every demo uses its own key prefix and group,
-so repeated demos never mix. Exit status 0 when every run completed and nothing was dead.
+so repeated demos never mix.
+
+It also leaves ``--dead-letters`` (3) dead letters **on purpose**, so that a new user has one to
+find and replay in the console (issue 26): a second group, ``billing``, books ``invoice.issued``
+events of the stream ``invoices`` (:data:`cli.demo_app.billing`) and rejects an invoice whose
+customer it does not know. The demo issues a few invoices for known customers and
+``--dead-letters`` for a customer whose row it adds only once their letters are dead, so a replay
+then applies them; the summary ends with the commands that serve the console on the demo's
+database, Redis and key prefix, and the ``curl`` calls that list and replay the letters.
+
+Exit status 0 when every run completed, the known customers' invoices were applied, the
+deliberate letters are there, and nothing else was dead: those letters are counted apart
+(``dead_on_purpose``), so any other dead letter still fails ``make demo``.
 """
 
 from __future__ import annotations
@@ -16,20 +28,27 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import redis
-from sqlalchemy import Engine, func, select
+from sqlalchemy import Engine, func, insert, select
 
-from outbox_relay.cli import apps, options
+from outbox_relay.cli import apps, demo_app, options
+from outbox_relay.consumer import dead_letters
+from outbox_relay.consumer.dead_letters import DeadLetter
+from outbox_relay.producer.enqueue import Producer
 from outbox_relay.runs import pipeline as rs
 from outbox_relay.runs import schema as runs_schema
 from outbox_relay.runs.schema import runs
@@ -43,6 +62,13 @@ from outbox_relay.shared.settings import CommonSettings
 
 DEMO_DIR = Path(".outbox-demo")
 CREATE_BATCH = 25
+BILLING_APP = "outbox_relay.cli.demo_app:billing"
+"""The billing group's handlers, for its consumer and for ``OUTBOX_CONSOLE_APPS``."""
+KNOWN_CUSTOMERS = ("acme", "globex")
+INVOICES_FOR_KNOWN = 5
+"""Invoices for customers billing knows: applied at once, beside the ones dead on purpose."""
+LATE_CUSTOMER = "initech"
+CONSOLE_PORT = 8080  # outbox serve's default
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -57,6 +83,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="every N-th run asks a question the demo answers (default 10)")
     parser.add_argument("--stage-ms", type=int, default=0,
                         help="duration of each of the 7 stages of the demo agent (default 0)")
+    parser.add_argument("--dead-letters", type=int, default=3,
+                        help="invoices dead-lettered on purpose, to replay in the console "
+                        "(default 3; 0: none)")
+    parser.add_argument("--keep-redis", action="store_true",
+                        help="when the demo starts its own redis-server, leave it running "
+                        "afterwards (for the console walkthrough; the summary says how to stop "
+                        "it)")
 
 
 class Children:
@@ -85,9 +118,12 @@ class Children:
 
 
 def main(args: argparse.Namespace) -> int:
-    """Run the demo; 0 when every run's event was consumed and nothing went to dead letters."""
+    """Run the demo; 0 when every run's event was consumed, and nothing but the deliberate
+    letters went to dead letters (see the module docstring)."""
     if args.runs < 1 or args.relays < 1 or args.consumers < 1:
         raise ConfigError("--runs, --relays and --consumers must be at least 1")
+    if args.dead_letters < 0:
+        raise ConfigError("--dead-letters must be 0 or more")
     DEMO_DIR.mkdir(exist_ok=True)
     if args.database_url is None and "OUTBOX_DATABASE_URL" not in os.environ:
         path = DEMO_DIR / "demo.db"
@@ -96,16 +132,28 @@ def main(args: argparse.Namespace) -> int:
         args.database_url = f"sqlite:///{path}"
     settings = options.load_settings(CommonSettings, args)
     children = Children()
-    own_redis: subprocess.Popen[bytes] | None = None
+    own_redis: OwnRedis | None = None
+    kept = False
     try:
-        redis_url, own_redis = _redis(settings.redis_url)
+        redis_url, own_redis = _redis(settings.redis_url, detach=args.keep_redis)
         args.redis_started_for_demo = own_redis is not None
-        return _run(args, settings, redis_url, children)
+        args.redis_pid = own_redis.proc.pid if own_redis is not None else None
+        status = _run(args, settings, redis_url, children)
+        kept = args.keep_redis  # only once the summary said how to stop it
+        return status
     finally:
         children.stop()
-        if own_redis is not None:
-            own_redis.terminate()
-            own_redis.wait(timeout=10)
+        if own_redis is not None and not kept:
+            own_redis.stop()
+
+
+@dataclass(frozen=True)
+class Billing:
+    """The invoices the demo issued: how many, and the event ids it dead-letters on purpose."""
+
+    issued: int
+    late_customer: str
+    on_purpose: frozenset[str]
 
 
 def _run(args: argparse.Namespace, settings: CommonSettings, redis_url: str,
@@ -113,19 +161,7 @@ def _run(args: argparse.Namespace, settings: CommonSettings, redis_url: str,
     engine = db.make_engine(settings.database_url)
     runs_schema.upgrade(engine)  # the core and the runs tables
     stamp = f"demo-{time.strftime('%Y%m%d%H%M%S')}-{os.getpid()}"
-    env = {
-        **os.environ,
-        "OUTBOX_DATABASE_URL": settings.database_url,
-        "OUTBOX_REDIS_URL": redis_url,
-        "OUTBOX_KEY_PREFIX": stamp,
-        "OUTBOX_PARTITIONS": str(settings.partitions),
-        "OUTBOX_GROUP": "demo",
-        "OUTBOX_STREAM_GROUPS": "runs:demo",  # the relay creates the workers' group
-        "OUTBOX_LOG_LEVEL": args.log_level or "WARNING",  # children: --log-level to see more
-        "OUTBOX_CLAIM_IDLE_MS": "5000",
-        "OUTBOX_DEMO_STAGE_MS": str(max(args.stage_ms, 0)),
-        "OUTBOX_RUN_CONCURRENCY": "16",
-    }
+    env = _child_env(args, settings, redis_url, stamp)
     logs = DEMO_DIR / "logs"
     logs.mkdir(exist_ok=True)
     cmd = [sys.executable, "-m", "outbox_relay"]
@@ -134,6 +170,13 @@ def _run(args: argparse.Namespace, settings: CommonSettings, redis_url: str,
     for i in range(args.consumers):
         children.start([*cmd, "consume", "--app", apps.DEFAULT_APP], env,
                        logs / f"consumer-{i}.log")
+    billing = None
+    if args.dead_letters:
+        demo_app.create_billing_tables(engine)
+        billing = _issue_invoices(engine, settings, stamp, args.dead_letters)
+        children.start([*cmd, "consume", "--app", BILLING_APP, "--group",
+                        demo_app.BILLING_GROUP, "--streams", demo_app.INVOICES], env,
+                       logs / "billing-consumer.log")
     store = store_for(settings.model_copy(update={"key_prefix": stamp}), source="outbox-demo")
     started = time.monotonic()
     progress = Progress(args.runs, quiet=args.json)
@@ -156,17 +199,215 @@ def _run(args: argparse.Namespace, settings: CommonSettings, redis_url: str,
     progress.show(args.runs, finished, done=True)
     while not _drained(engine, stamp) and time.monotonic() < deadline and not children.dead():
         time.sleep(0.1)  # the last events (run.completed) are still on their way: let them land
-    summary = _summary(engine, connect_redis(redis_url), settings, stamp, args.runs)
+    client = connect_redis(redis_url)
+    if billing is not None:
+        _late_customer_arrives(engine, client, stamp, billing,
+                               lambda: time.monotonic() < deadline and not children.dead())
+    summary = _summary(engine, client, settings, stamp, args.runs)
+    summary.update(_billing_summary(engine, client, stamp, billing))
+    summary["dead"] += summary.pop("billing_dead_other", 0)  # ``dead``: every unexpected one
     summary["receipt_replay"] = replay
     summary["seconds"] = round(time.monotonic() - started, 2)
+    _report(summary, args, settings, redis_url)
+    ok = (summary["completed"] == args.runs and summary["dead"] == 0
+          and summary["dead_on_purpose"] == args.dead_letters
+          and summary["invoices_applied"] == (INVOICES_FOR_KNOWN if billing else 0))
+    return 0 if ok else 1
+
+
+def _report(summary: dict[str, Any], args: argparse.Namespace, settings: CommonSettings,
+            redis_url: str) -> None:
+    """Print the summary (JSON or text), with where Redis is and, when the deliberate letters
+    are still there to see, how to replay them in the console."""
     summary["redis_url"] = redact_url(redis_url)
-    summary["redis_started_for_demo"] = bool(getattr(args, "redis_started_for_demo", False))
+    started_own = bool(getattr(args, "redis_started_for_demo", False))
+    summary["redis_started_for_demo"] = started_own
+    summary["redis_kept"] = started_own and args.keep_redis
+    if summary["redis_kept"]:
+        summary["redis_pid"] = args.redis_pid
+    if summary["dead_on_purpose"] and (summary["redis_kept"] or not started_own):
+        summary["console"] = _console(summary, settings.partitions, redis_url)
     if args.json:
         print(json.dumps(summary, indent=2))
     else:
-        print(_render(summary, stamp, settings.partitions, redis_url))
-    ok = summary["completed"] == args.runs and summary["dead"] == 0
-    return 0 if ok else 1
+        print(_render(summary, summary["key_prefix"], settings.partitions, redis_url))
+
+
+def _child_env(args: argparse.Namespace, settings: CommonSettings, redis_url: str,
+               stamp: str) -> dict[str, str]:
+    """The environment of the demo's relays and consumers: its database, Redis and prefix."""
+    return {
+        **os.environ,
+        "OUTBOX_DATABASE_URL": settings.database_url,
+        "OUTBOX_REDIS_URL": redis_url,
+        "OUTBOX_KEY_PREFIX": stamp,
+        "OUTBOX_PARTITIONS": str(settings.partitions),
+        "OUTBOX_GROUP": "demo",
+        # the relay creates the workers' group (and billing's, before its consumer starts)
+        "OUTBOX_STREAM_GROUPS": "runs:demo" + (
+            f",{demo_app.INVOICES}:{demo_app.BILLING_GROUP}" if args.dead_letters else ""),
+        "OUTBOX_LOG_LEVEL": args.log_level or "WARNING",  # children: --log-level to see more
+        "OUTBOX_CLAIM_IDLE_MS": "5000",
+        "OUTBOX_DEMO_STAGE_MS": str(max(args.stage_ms, 0)),
+        "OUTBOX_RUN_CONCURRENCY": "16",
+    }
+
+
+def _late_customer_arrives(engine: Engine, client: redis.Redis, stamp: str, billing: Billing,
+                           go_on: Callable[[], bool]) -> None:
+    """Wait (while ``go_on()``) until billing settled every invoice and wrote the deliberate
+    letters, then add their customer: from now on a replay of those letters applies them.
+    Added only after they are dead, or billing would have applied them in the first place."""
+    while not _billing_settled(engine, client, stamp, billing) and go_on():
+        time.sleep(0.1)
+    with engine.begin() as conn:
+        conn.execute(insert(demo_app.customers).values(
+            id=billing.late_customer, name=LATE_CUSTOMER.title()))
+
+
+def _issue_invoices(engine: Engine, settings: CommonSettings, stamp: str, late: int) -> Billing:
+    """Billing's known customers, ``INVOICES_FOR_KNOWN`` invoices for them and ``late`` for a
+    customer billing does not know yet, each invoice with its ``invoice.issued`` event in one
+    transaction (the producer's side of the story). Ids carry the demo's stamp, so a demo
+    tells its own rows and events from those of earlier demos in a shared database."""
+    producer = Producer(source="outbox-demo", partitions=settings.partitions, key_prefix=stamp)
+    late_customer = f"{stamp}-{LATE_CUSTOMER}"
+    wanted = [f"{stamp}-{KNOWN_CUSTOMERS[n % len(KNOWN_CUSTOMERS)]}"
+              for n in range(INVOICES_FOR_KNOWN)] + [late_customer] * late
+    on_purpose = set()
+    with engine.begin() as conn:
+        conn.execute(insert(demo_app.customers), [
+            {"id": f"{stamp}-{name}", "name": name.title()} for name in KNOWN_CUSTOMERS])
+        for n, customer in enumerate(wanted):
+            event_id = producer.enqueue(
+                conn, type=demo_app.INVOICE_ISSUED, stream=demo_app.INVOICES,
+                aggregate_type="invoice", aggregate_id=f"{stamp}-invoice-{n:04d}", revision=1,
+                data={"customer_id": customer, "amount_cents": 1000 + 250 * n})
+            if customer == late_customer:
+                on_purpose.add(event_id)
+    return Billing(len(wanted), late_customer, frozenset(on_purpose))
+
+
+def _billing_settled(engine: Engine, client: redis.Redis, stamp: str, billing: Billing) -> bool:
+    """Every invoice delivered and settled by billing, and the deliberate letters written."""
+    with engine.connect() as conn:
+        undelivered = conn.execute(select(func.count()).where(
+            outbox.c.stream == demo_app.INVOICES, outbox.c.event_id.like(f"{stamp}-%"),
+            outbox.c.delivered_at_ms.is_(None))).scalar_one()
+        receipts = conn.execute(select(func.count()).where(
+            inbox.c.group_name == demo_app.BILLING_GROUP,
+            inbox.c.event_id.like(f"{stamp}-%"))).scalar_one()
+    if undelivered or receipts < billing.issued:
+        return False
+    letters = _invoice_letters(client, stamp)
+    return len(split_letters(letters, billing.on_purpose).mine) >= len(billing.on_purpose)
+
+
+def _invoice_letters(client: redis.Redis, stamp: str) -> list[DeadLetter]:
+    with translate_redis_errors():
+        return dead_letters.list_letters(client, stamp, stream=demo_app.INVOICES, count=10_000)
+
+
+@dataclass(frozen=True)
+class Split:
+    """A demo's invoice letters, by who made them and whether that was meant."""
+
+    mine: list[DeadLetter]  # this demo's deliberate letters
+    earlier: list[DeadLetter]  # earlier demos' deliberate letters, never replayed, back again
+    other: list[DeadLetter]  # anything else: a failure
+
+
+def split_letters(letters: Iterable[DeadLetter], on_purpose: frozenset[str]) -> Split:
+    """Only the demo's deliberate letters (billing's ``rejected`` letters of the late
+    customer's invoices) may be dead in a demo that succeeds: an out-of-order, unknown-type or
+    any other letter is a failure it must report.
+
+    One more kind is no failure: an **earlier** demo's deliberate letter. Demos that share a
+    database (``OUTBOX_DATABASE_URL``; the default SQLite file is new each time) share the
+    outbox, and a relay under the new key prefix finds the earlier demos' delivered rows missing
+    from its (new, empty) streams and refills them (repair, as after a Redis that lost data);
+    billing's ``dead`` receipt of an invoice nobody replayed then makes a letter of it again."""
+    split = Split([], [], [])
+    for letter in letters:
+        event_id = letter.fields.get(b"id", b"").decode("utf-8", "replace")
+        deliberate = (letter.group == demo_app.BILLING_GROUP and letter.reason == "rejected"
+                      and letter.fields.get(b"type") == demo_app.INVOICE_ISSUED.encode())
+        if deliberate and event_id in on_purpose:
+            split.mine.append(letter)
+        elif deliberate and _late_customer_of_a_demo(letter):
+            split.earlier.append(letter)
+        else:
+            split.other.append(letter)
+    return split
+
+
+def _late_customer_of_a_demo(letter: DeadLetter) -> bool:
+    try:
+        data = json.loads(letter.fields.get(b"data", b"null"))
+    except ValueError:
+        return False
+    customer = data.get("customer_id") if isinstance(data, dict) else None
+    return (isinstance(customer, str) and customer.startswith("demo-")
+            and customer.endswith(f"-{LATE_CUSTOMER}"))
+
+
+def _billing_summary(engine: Engine, client: redis.Redis, stamp: str,
+                     billing: Billing | None) -> dict[str, Any]:
+    """Billing's counts; its letters and ``dead`` receipts beyond the deliberate ones are
+    added to the summary's ``dead``."""
+    if billing is None:
+        return {"invoices_issued": 0, "invoices_applied": 0, "dead_on_purpose": 0}
+    with engine.connect() as conn:
+        outcomes = list(conn.execute(select(inbox.c.event_id, inbox.c.outcome).where(
+            inbox.c.group_name == demo_app.BILLING_GROUP, inbox.c.event_id.like(f"{stamp}-%"))))
+    split = split_letters(_invoice_letters(client, stamp), billing.on_purpose)
+    stray_receipts = sum(1 for event_id, outcome in outcomes
+                         if outcome == "dead" and event_id not in billing.on_purpose)
+    return {
+        "invoices_issued": billing.issued,
+        "invoices_applied": sum(1 for _e, outcome in outcomes if outcome == "applied"),
+        "dead_on_purpose": len(split.mine),
+        "dead_on_purpose_ids": [letter.letter_id for letter in split.mine],
+        "dead_on_purpose_earlier_demos": len(split.earlier),
+        "late_customer": billing.late_customer,
+        "billing_dead_other": len(split.other) + stray_receipts,
+    }
+
+
+def _console(s: dict[str, Any], partitions: int, redis_url: str) -> dict[str, Any]:
+    """How to serve the console on the demo's database, Redis and prefix, with a token of its
+    own (made up for this demo, for a server on loopback) and billing's handlers to replay
+    with. A port other than 8080 is named when 8080 is taken, so the command runs as printed."""
+    token = secrets.token_hex(16)
+    port = _free_port(CONSOLE_PORT)
+    outbox_cmd, _hint = outbox_command()
+    env = (f"OUTBOX_DATABASE_URL='{s['database_url']}' OUTBOX_KEY_PREFIX={s['key_prefix']} "
+           f"OUTBOX_PARTITIONS={partitions} OUTBOX_REDIS_URL={redact_url(redis_url)} "
+           f"OUTBOX_API_TOKENS=demo:{token} "
+           f"OUTBOX_CONSOLE_APPS={demo_app.BILLING_GROUP}={BILLING_APP}"
+           + (f" OUTBOX_PORT={port}" if port != CONSOLE_PORT else ""))
+    base = f"http://127.0.0.1:{port}/console"
+    auth = f"-H 'Authorization: Bearer {token}'"
+    body = json.dumps({"filter": {"group": demo_app.BILLING_GROUP}})
+    return {
+        "token": token,
+        "url": f"{base}/",
+        "command": f"{env} {outbox_cmd} serve --console",
+        "list": f"curl -s {auth} '{base}/api/letters?group={demo_app.BILLING_GROUP}'",
+        "replay": (f"curl -s -X POST {auth} -H 'Content-Type: application/json' "
+                   f"-d '{body}' {base}/api/replay"),
+    }
+
+
+def _free_port(preferred: int) -> int:
+    """``preferred`` if nothing listens on it on loopback, else a free port."""
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", preferred))
+            return preferred
+        except OSError:
+            s.bind(("127.0.0.1", 0))
+            return int(s.getsockname()[1])
 
 
 def _answer_questions(engine: Engine, store: RunStore, stamp: str,
@@ -191,10 +432,25 @@ def _answer_questions(engine: Engine, store: RunStore, stamp: str,
     return len(waiting)
 
 
-def _redis(url: str) -> tuple[str, subprocess.Popen[bytes] | None]:
+@dataclass(frozen=True)
+class OwnRedis:
+    """A redis-server the demo started, and its working directory (empty: it saves nothing)."""
+
+    proc: subprocess.Popen[bytes]
+    workdir: str
+
+    def stop(self) -> None:
+        """Stop it and remove its directory, so demos leave nothing behind in the temp dir."""
+        self.proc.terminate()
+        self.proc.wait(timeout=10)
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def _redis(url: str, *, detach: bool) -> tuple[str, OwnRedis | None]:
     """The Redis at ``url``, or one started for the demo when none answers there. A server
     that answers but refuses us (credentials, no such database, not Redis) is an error: a
-    Redis of our own would hide the mistake in the URL."""
+    Redis of our own would hide the mistake in the URL. ``detach``: ours is in its own session,
+    so that a Ctrl-C in the terminal later does not stop the server ``--keep-redis`` keeps."""
     try:
         with translate_redis_errors():
             connect_redis(url, timeout_s=2).ping()
@@ -208,8 +464,6 @@ def _redis(url: str) -> tuple[str, subprocess.Popen[bytes] | None]:
             "Start one with `docker compose up -d redis` (compose.yaml) or install the "
             "system package (apt-get install redis-server), or set OUTBOX_REDIS_URL."
         )
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -217,7 +471,7 @@ def _redis(url: str) -> tuple[str, subprocess.Popen[bytes] | None]:
     proc = subprocess.Popen(
         [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
          "--dir", workdir],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=detach,
     )
     own = f"redis://127.0.0.1:{port}/0"
     client = connect_redis(own, timeout_s=1)
@@ -225,20 +479,22 @@ def _redis(url: str) -> tuple[str, subprocess.Popen[bytes] | None]:
         try:
             client.ping()
             print(f"started redis-server on port {port} for this demo", file=sys.stderr)
-            return own, proc
+            return own, OwnRedis(proc, workdir)
         except redis.RedisError:
             time.sleep(0.05)
     proc.kill()
+    proc.wait()
+    shutil.rmtree(workdir, ignore_errors=True)
     raise UnavailableError("could not start a redis-server for the demo")
 
 
 def _drained(engine: Engine, stamp: str) -> bool:
-    """Every event of this demo delivered, and every one has its receipt in the group."""
+    """Every run event of this demo delivered, and every one has its receipt in the group."""
     like = f"{stamp}-%"
     with engine.connect() as conn:
         total, undelivered = conn.execute(
             select(func.count(), func.count().filter(outbox.c.delivered_at_ms.is_(None)))
-            .where(outbox.c.event_id.like(like))
+            .where(outbox.c.stream == "runs", outbox.c.event_id.like(like))
         ).one()
         receipts = conn.execute(
             select(func.count()).where(inbox.c.group_name == "demo", inbox.c.event_id.like(like))
@@ -260,7 +516,8 @@ def _summary(engine: Engine, client: redis.Redis, settings: CommonSettings, stam
     with engine.connect() as conn:
         created = conn.execute(select(func.count()).where(runs.c.id.like(like))).scalar_one()
         delivered = conn.execute(select(func.count()).where(
-            outbox.c.event_id.like(like), outbox.c.delivered_at_ms.is_not(None))).scalar_one()
+            outbox.c.stream == "runs", outbox.c.event_id.like(like),
+            outbox.c.delivered_at_ms.is_not(None))).scalar_one()
         outcomes: dict[str, int] = dict(conn.execute(  # type: ignore[arg-type]
             select(inbox.c.outcome, func.count()).where(
                 inbox.c.group_name == "demo", inbox.c.event_id.like(like)
@@ -270,7 +527,8 @@ def _summary(engine: Engine, client: redis.Redis, settings: CommonSettings, stam
         statuses: dict[str, int] = {r[0]: r[1] for r in conn.execute(select(
             runs.c.status, func.count()).where(runs.c.id.like(like)).group_by(runs.c.status))}
         kinds: dict[str, int] = {r[0]: r[1] for r in conn.execute(select(
-            outbox.c.type, func.count()).where(outbox.c.event_id.like(like)).group_by(
+            outbox.c.type, func.count()).where(outbox.c.stream == "runs",
+                                               outbox.c.event_id.like(like)).group_by(
             outbox.c.type))}
     entries = dead_letters = 0
     for p in range(settings.partitions):
@@ -303,12 +561,15 @@ def _render(s: dict[str, Any], stamp: str, partitions: int, redis_url: str) -> s
                f"{replay['revision_unchanged']}" if replay else "no question was answered")
     key0 = keys.stream_key(stamp, "runs", 0)
     cli = f"redis-cli -u {redact_url(redis_url)}"
+    stopped = s.get("redis_started_for_demo") and not s.get("redis_kept")
     env = (f"OUTBOX_DATABASE_URL='{s['database_url']}' OUTBOX_KEY_PREFIX={stamp} "
            f"OUTBOX_PARTITIONS={partitions}")
-    if not s.get("redis_started_for_demo"):
+    if not stopped:
         env += f" OUTBOX_REDIS_URL={redact_url(redis_url)}"
     outbox_cmd, hint = outbox_command()
     env += f" {outbox_cmd}"
+    invoices = (f"   ({s['invoices_applied']} of {s['invoices_issued']} invoices applied; "
+                "the others, below)" if s["invoices_issued"] else "")
     return "\n".join([
         "",
         f"created             {s['created']:>8}",
@@ -322,10 +583,14 @@ def _render(s: dict[str, Any], stamp: str, partitions: int, redis_url: str) -> s
         f"duplicates skipped  {s['duplicates_skipped']:>8}",
         f"superseded          {s['superseded']:>8}   (older run events, already re-read)",
         f"dead                {s['dead']:>8}",
+        f"dead on purpose     {s['dead_on_purpose']:>8}{invoices}",
+        *([f"earlier demos'      {s['dead_on_purpose_earlier_demos']:>8}   (their deliberate "
+           "letters, never replayed, refilled into this demo's streams from the shared "
+           "database)"] if s.get("dead_on_purpose_earlier_demos") else []),
         f"took {s['seconds']}s on {s['database_url']}",
         "",
         f"Inspect what it produced ({partitions} partitions, key prefix {stamp}):"
-        if not s.get("redis_started_for_demo") else
+        if not stopped else
         "The demo's own redis-server stopped with it; with a Redis of yours (compose.yaml, or "
         "the redis-server package) these commands show what a demo produced:",
         f"  {cli} --scan --pattern '{stamp}:*'",
@@ -335,13 +600,43 @@ def _render(s: dict[str, Any], stamp: str, partitions: int, redis_url: str) -> s
         f"  {cli} XLEN '{keys.dead_letter_key(stamp, 'runs', 0)}'",
         "",
         "and with outbox (the demo's database and key prefix; status and dlq also need that "
-        "Redis):" if not s.get("redis_started_for_demo") else
+        "Redis):" if not stopped else
         "and with outbox, given that Redis (set OUTBOX_REDIS_URL too):",
         f"  {env} status",
         f"  {env} dlq list",
         f"  {env} prune --dry-run",
         *([hint] if hint else []),
+        *_render_console(s, outbox_cmd),
     ])
+
+
+def _render_console(s: dict[str, Any], outbox_cmd: str) -> list[str]:
+    """The walkthrough from the deliberate letters to their replay in the console; when the
+    demo's own redis-server stopped, the letters went with it, and it says how to keep it."""
+    if not s["dead_on_purpose"]:
+        return []
+    story = (f"Dead letters on purpose: billing rejected {s['dead_on_purpose']} invoice.issued "
+             f"events for customer {s['late_customer']}, unknown to it then; the demo has added "
+             "that customer since, so a replay now applies them, once.")
+    console = s.get("console")
+    if console is None:
+        return ["", story, "They were in the demo's own redis-server, which stopped with it. "
+                "To replay them in the console, run the demo again keeping that server (the "
+                "summary then shows how), or start a Redis on localhost:6379 first "
+                "(docker compose up -d redis):", f"  {outbox_cmd} demo --keep-redis"]
+    kept = ([f"(The demo's redis-server keeps running for this: stop it afterwards with "
+             f"`kill {s['redis_pid']}`.)"] if s.get("redis_kept") else [])
+    return [
+        "", story,
+        "Serve the console on the demo's database, Redis and key prefix (Ctrl-C stops it):",
+        f"  {console['command']}",
+        f"then open {console['url']}, paste the token {console['token']} under API token, "
+        "press Use token, and Replay each letter. Or, from another terminal, list and replay "
+        "them (replayed again, a letter answers already_replayed):",
+        f"  {console['list']}",
+        f"  {console['replay']}",
+        *kept,
+    ]
 
 
 def outbox_command() -> tuple[str, str | None]:

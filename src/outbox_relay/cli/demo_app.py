@@ -11,6 +11,10 @@ of which ``normalizing_candidate``, ``analyzing_jd`` and ``matching_evidence`` m
 
 The demo agent is configured by ``OUTBOX_DEMO_*`` environment variables (:class:`AgentSettings`),
 the worker by ``OUTBOX_RUN_*`` and ``OUTBOX_SWEEP_*`` (:class:`outbox_relay.runs.RunSettings`).
+
+The demo's second group, ``billing`` (``--app outbox_relay.cli.demo_app:billing``, stream
+``invoices``), exists so that ``make demo`` leaves dead letters worth replaying in the console:
+see :data:`billing`.
 """
 
 from __future__ import annotations
@@ -25,8 +29,11 @@ from pathlib import Path
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
+from sqlalchemy import Column, Connection, Engine, Integer, MetaData, String, Table, insert, select
 
+from outbox_relay.consumer import Handlers, PermanentError
 from outbox_relay.runs import Pipeline, Question, Runs, StageContext, StageResult
+from outbox_relay.shared.envelope import Event
 
 INGESTING_INPUTS = "ingesting_inputs"
 NORMALIZING_CANDIDATE = "normalizing_candidate"
@@ -115,3 +122,56 @@ def _agent() -> DemoAgent:
 
 handlers = Runs(PIPELINE, _agent)
 """The consumer app: called with the consumer's settings, it starts the run worker."""
+
+
+# -- the billing group: invoices, and the dead letters the console walkthrough replays --------
+
+BILLING_GROUP = "billing"
+INVOICES = "invoices"
+INVOICE_ISSUED = "invoice.issued"
+
+billing_tables = MetaData()
+customers = Table(
+    "demo_customers", billing_tables,
+    Column("id", String(128), primary_key=True),
+    Column("name", String(128), nullable=False),
+)
+"""The billing service's own copy of the customers it may invoice (its reference data)."""
+invoices = Table(
+    "demo_invoices", billing_tables,
+    Column("id", String(128), primary_key=True),  # the invoice: one row, whatever is replayed
+    Column("customer_id", String(128), nullable=False),
+    Column("amount_cents", Integer, nullable=False),
+    Column("event_id", String(512), nullable=False),
+)
+"""What the billing handler writes: one row per applied ``invoice.issued`` event."""
+
+
+def create_billing_tables(engine: Engine) -> None:
+    """The billing tables, in the demo's database (the consumer's database is the outbox's)."""
+    billing_tables.create_all(engine, checkfirst=True)
+
+
+billing = Handlers()
+"""The ``billing`` group's handlers (``outbox consume --group billing --streams invoices --app
+outbox_relay.cli.demo_app:billing``, and ``OUTBOX_CONSOLE_APPS=billing=…`` for the console)."""
+
+
+@billing.on(INVOICE_ISSUED)
+def record_invoice(conn: Connection, event: Event) -> None:
+    """Book the invoice against its customer, in the claim transaction (applied at most once).
+
+    An invoice for a customer billing does not know is refused with :class:`PermanentError`,
+    not retried: billing treats it as a producer's mistake an operator must look at, and
+    retrying for up to the horizon would only hold the invoice back in silence. The event is
+    dead-lettered (``rejected``) with the customer's id; once the customer row exists, a replay
+    of the letter (``outbox dlq replay`` or the console) applies it through this same handler.
+    That is the story ``make demo`` tells: its late customer arrives after its invoices."""
+    data = event.data if isinstance(event.data, dict) else {}
+    customer = str(data.get("customer_id", ""))
+    known = conn.execute(select(customers.c.id).where(customers.c.id == customer)).first()
+    if known is None:
+        raise PermanentError(f"unknown customer {customer!r}: no such row in demo_customers")
+    conn.execute(insert(invoices).values(
+        id=event.aggregateid or event.id, customer_id=customer,
+        amount_cents=int(data.get("amount_cents", 0)), event_id=event.id))
