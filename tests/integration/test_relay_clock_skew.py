@@ -18,10 +18,19 @@ import redis
 from sqlalchemy import Engine
 
 import outbox_relay.relay
+from outbox_relay.relay import entry_ids
 from outbox_relay.relay.daemon import Relay
+from outbox_relay.shared import keys
 from outbox_relay.shared.db import now_ms as true_now_ms
 from outbox_relay.shared.errors import LeaseLostError
-from tests.helpers import PARTITIONS, enqueue_events, relay_settings, undelivered, wait_until
+from tests.helpers import (
+    PARTITIONS,
+    STREAM,
+    enqueue_events,
+    relay_settings,
+    undelivered,
+    wait_until,
+)
 from tests.integration.test_relay import assert_all_marked, assert_each_once, lease_owners
 
 pytestmark = pytest.mark.integration
@@ -110,3 +119,29 @@ def test_relays_on_hosts_a_minute_apart_share_partitions_by_the_database_clock(
     assert undelivered(engine) == 0 and b.stats.lease_losses == 0
     assert_each_once(redis_client, key_prefix, ids)
     assert_all_marked(engine, redis_client, key_prefix)
+
+
+def test_a_relay_host_an_hour_ahead_keeps_entries_for_stream_keep_s_by_the_database_clock(
+    engine: Engine, redis_client: redis.Redis, key_prefix: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The trim's keep-for cutoff and the entry ids it compares with are both the database's
+    clock: a relay host whose clock runs an hour ahead (past ``stream_keep_s``) must not trim
+    entries every group acknowledged a moment ago, and a host's ids carry no skew."""
+    relay = Relay(relay_settings(key_prefix, stream_keep_s=1800, stream_keep=0), engine,
+                  redis_client)
+    set_host_clock(monkeypatch, 3_600_000)
+    relay._next_lease_check = 0.0
+    relay._refresh_leases()
+    ids = enqueue_events(engine, 16)
+    relay_all(relay, monkeypatch, 3_600_000)
+    streams = {(STREAM, p) for p in EVERY}
+    for _, partition in streams:
+        key = keys.stream_key(key_prefix, STREAM, partition)
+        redis_client.xgroup_create(key, "g", id="0")
+        entries = redis_client.xreadgroup("g", "c", {key: ">"})[0][1]
+        redis_client.xack(key, "g", *[i for i, _ in entries])
+        # the ids' milliseconds are the database's clock, not an hour ahead
+        assert all(entry_ids.parse(i.decode())[0] < true_now_ms() + 60_000 for i, _ in entries)
+    assert relay.trimmer.run(relay.leases, streams) == 0
+    assert_each_once(redis_client, key_prefix, ids)

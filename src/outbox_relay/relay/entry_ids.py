@@ -24,7 +24,9 @@ def format_id(ms: int, seq: int) -> str:
 
 
 def batch_ms(last: str, now_ms: int) -> int:
-    """The ``ms`` of a new batch's ids ``<ms>-<seq>``: the wall clock, but above ``last``'s.
+    """The ``ms`` of a new batch's ids ``<ms>-<seq>``: the clock (the relay passes the
+    database's, the one clock every relay host shares with the trim's keep-for cutoff), but
+    above ``last``'s.
 
     Every id of the batch is then greater than every id assigned before, whatever its seq (a
     row committed late, or a retried gap, has a smaller seq than rows already appended). A

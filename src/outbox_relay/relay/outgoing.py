@@ -34,7 +34,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects import postgresql
 
 from outbox_relay.relay import entry_ids
-from outbox_relay.shared.db import is_postgres, now_ms
+from outbox_relay.shared.db import is_postgres
 from outbox_relay.shared.schema import outbox, relay_leases
 
 
@@ -181,7 +181,7 @@ def take_fresh(
     )
     new_last = last
     if rows:
-        ms = entry_ids.batch_ms(last, now_ms())
+        ms = entry_ids.batch_ms(last, now)  # the database's clock, as leases and trims
         batches = [*batches, *(Batch(first, end, ms) for first, end in runs)]
         new_last = entry_ids.format_id(ms, runs[-1][1])
     if rows or force_write:

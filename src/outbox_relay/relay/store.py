@@ -77,6 +77,15 @@ def _db_now(conn: Connection) -> int:
     return int(conn.execute(select(db_now_ms(is_postgres(conn)))).scalar_one())
 
 
+def database_now(engine: Engine) -> int:
+    """The database's clock (epoch ms), for a relay task that compares times other relay hosts
+    wrote or that entry ids carry (the trim's keep-for cutoff and its "group missing since"):
+    those come from the database's clock, so a relay host whose own clock is off must not
+    judge them by it."""
+    with translate_errors(), engine.connect() as conn:
+        return _db_now(conn)
+
+
 def acquire_leases(engine: Engine, node_id: str, partitions: int, ttl_ms: int) -> dict[int, int]:
     """Heartbeat this node and take its fair share of partitions; return ``{partition: epoch}``.
 

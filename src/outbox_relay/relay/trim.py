@@ -56,7 +56,6 @@ from sqlalchemy import Engine
 
 from outbox_relay.relay import entry_ids, fence, store
 from outbox_relay.shared import keys
-from outbox_relay.shared.db import now_ms
 from outbox_relay.shared.errors import LeaseLostError
 from outbox_relay.shared.redaction import redact_url
 from outbox_relay.shared.settings import RetentionSettings
@@ -184,12 +183,13 @@ class Trimmer:
         removed = 0
         caps: dict[int, int | None] = {}
         known = store.known_groups(self.engine, sorted(leases))
+        now = store.database_now(self.engine)
         for stream, partition in sorted(k for k in streams if k[1] in leases):
             if partition not in caps:
                 caps[partition] = store.unsettled_ms(self.engine, partition)
             try:
                 removed += self.trim(stream, partition, leases[partition], caps[partition],
-                                     known.get((stream, partition), {}))
+                                     known.get((stream, partition), {}), now=now)
             except LeaseLostError:
                 self.stats.trim_fenced += 1
                 log.info("trim of %s:%s skipped: a newer relay owns the stream", stream, partition)
@@ -207,18 +207,23 @@ class Trimmer:
         epoch: int,
         cap_ms: int | None = None,
         known: dict[str, int | None] | None = None,
+        *,
+        now: int | None = None,
     ) -> int:
         """Trim one stream as the owner of ``epoch``, then record its floor and the groups
         seen; entries removed. ``cap_ms``: the partition's oldest unsettled batch
         (:func:`relay.store.unsettled_ms`); nothing from that millisecond up is trimmed.
         ``known``: the groups known to read the stream (``{name: missing since ms or None}``,
         :func:`relay.store.known_groups`; read here when not given); if one is missing,
-        nothing is trimmed."""
+        nothing is trimmed. ``now``: the database's clock (read here when not given), never
+        this host's: the keep-for cutoff is compared with entry ids, whose milliseconds are
+        the database's, and "missing since" with times other relay hosts recorded."""
         s = self.settings
         if known is None:
             known = store.known_groups(self.engine, [partition]).get((stream, partition), {})
         declared = self.declared.get(stream, [])
-        now = now_ms()
+        if now is None:
+            now = store.database_now(self.engine)
         cutoff = now - int(s.stream_keep_s * 1000)
         reply = fence.run_fenced(
             self.client,
