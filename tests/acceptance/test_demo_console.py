@@ -27,7 +27,7 @@ import pytest
 import redis
 from sqlalchemy import Connection, func, select
 
-from outbox_relay.cli import demo_app
+from outbox_relay.cli import demo_app, demo_billing
 from outbox_relay.consumer import dead_letters
 from outbox_relay.shared import db
 from outbox_relay.shared.schema import inbox
@@ -154,7 +154,8 @@ def follow(w: Walkthrough, cwd: Path, database_url: str, redis_url: str,
     commands serve the console, list and replay them; each invoice is applied once.
 
     On a database an earlier demo used, that demo's unreplayed letters may be back too (see
-    ``cli.demo.split_letters``): listed and replayed with this demo's, never counted as its."""
+    ``cli.demo_billing.split_letters``): listed and replayed with this demo's, never counted
+    as its."""
     client = redis.Redis.from_url(redis_url)
     engine = db.make_engine(database_url, create=False)
     try:
@@ -239,9 +240,7 @@ def test_demo_letters_are_replayed_from_the_console_as_printed(
 
 
 def demo_app_known() -> int:
-    from outbox_relay.cli import demo
-
-    return demo.INVOICES_FOR_KNOWN
+    return demo_billing.INVOICES_FOR_KNOWN
 
 
 def closed_port() -> int:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import create_engine, insert, select
 
-from outbox_relay.cli import demo, demo_app
+from outbox_relay.cli import demo_app, demo_billing
 from outbox_relay.consumer import PermanentError
 from outbox_relay.consumer.dead_letters import DeadLetter
 from outbox_relay.shared.envelope import Event
@@ -30,12 +30,12 @@ def letter(event_id: str, customer: str, *, group: str = demo_app.BILLING_GROUP,
 
 
 def test_only_the_demos_own_and_earlier_deliberate_letters_are_not_failures() -> None:
-    late = f"{STAMP}-{demo.LATE_CUSTOMER}"
+    late = f"{STAMP}-{demo_billing.LATE_CUSTOMER}"
     mine = f"{STAMP}-invoice-0005:invoice.issued:1"
     on_purpose = frozenset({mine})
     own = letter(mine, late)
     earlier = letter(f"{EARLIER}-invoice-0007:invoice.issued:1",
-                     f"{EARLIER}-{demo.LATE_CUSTOMER}")
+                     f"{EARLIER}-{demo_billing.LATE_CUSTOMER}")
     failures = [
         letter(mine, late, reason="unknown_type"),  # the right event, dead for another reason
         letter(mine, late, reason="out_of_order"),
@@ -47,7 +47,7 @@ def test_only_the_demos_own_and_earlier_deliberate_letters_are_not_failures() ->
     ]
     broken = letter("x:invoice.issued:1", late)
     broken.fields[b"data"] = b"{not json"
-    split = demo.split_letters([own, earlier, *failures, broken], on_purpose)
+    split = demo_billing.split_letters([own, earlier, *failures, broken], on_purpose)
     assert split.mine == [own]
     assert split.earlier == [earlier]
     assert split.other == [*failures, broken]

@@ -35,28 +35,22 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import redis
-from sqlalchemy import Engine, func, insert, select
+from sqlalchemy import Engine, func, select
 
-from outbox_relay.cli import apps, demo_app, options
-from outbox_relay.consumer import dead_letters
-from outbox_relay.consumer.dead_letters import DeadLetter
-from outbox_relay.producer.enqueue import Producer
+from outbox_relay.cli import apps, demo_app, demo_billing, demo_redis, options
 from outbox_relay.runs import pipeline as rs
 from outbox_relay.runs import schema as runs_schema
 from outbox_relay.runs.schema import runs
 from outbox_relay.runs.store import RunStore, store_for
 from outbox_relay.shared import db, keys
-from outbox_relay.shared.errors import ConfigError, UnavailableError
+from outbox_relay.shared.errors import ConfigError
 from outbox_relay.shared.redaction import redact_url
-from outbox_relay.shared.redis_conn import connect_redis, translate_redis_errors
+from outbox_relay.shared.redis_conn import connect_redis
 from outbox_relay.shared.schema import inbox, outbox
 from outbox_relay.shared.settings import CommonSettings
 
@@ -64,10 +58,6 @@ DEMO_DIR = Path(".outbox-demo")
 CREATE_BATCH = 25
 BILLING_APP = "outbox_relay.cli.demo_app:billing"
 """The billing group's handlers, for its consumer and for ``OUTBOX_CONSOLE_APPS``."""
-KNOWN_CUSTOMERS = ("acme", "globex")
-INVOICES_FOR_KNOWN = 5
-"""Invoices for customers billing knows: applied at once, beside the ones dead on purpose."""
-LATE_CUSTOMER = "initech"
 CONSOLE_PORT = 8080  # outbox serve's default
 
 
@@ -132,10 +122,10 @@ def main(args: argparse.Namespace) -> int:
         args.database_url = f"sqlite:///{path}"
     settings = options.load_settings(CommonSettings, args)
     children = Children()
-    own_redis: OwnRedis | None = None
+    own_redis: demo_redis.OwnRedis | None = None
     kept = False
     try:
-        redis_url, own_redis = _redis(settings.redis_url, detach=args.keep_redis)
+        redis_url, own_redis = demo_redis.reuse_or_start(settings.redis_url, detach=args.keep_redis)
         args.redis_started_for_demo = own_redis is not None
         args.redis_pid = own_redis.proc.pid if own_redis is not None else None
         status = _run(args, settings, redis_url, children)
@@ -145,15 +135,6 @@ def main(args: argparse.Namespace) -> int:
         children.stop()
         if own_redis is not None and not kept:
             own_redis.stop()
-
-
-@dataclass(frozen=True)
-class Billing:
-    """The invoices the demo issued: how many, and the event ids it dead-letters on purpose."""
-
-    issued: int
-    late_customer: str
-    on_purpose: frozenset[str]
 
 
 def _run(args: argparse.Namespace, settings: CommonSettings, redis_url: str,
@@ -173,7 +154,7 @@ def _run(args: argparse.Namespace, settings: CommonSettings, redis_url: str,
     billing = None
     if args.dead_letters:
         demo_app.create_billing_tables(engine)
-        billing = _issue_invoices(engine, settings, stamp, args.dead_letters)
+        billing = demo_billing.issue_invoices(engine, settings, stamp, args.dead_letters)
         children.start([*cmd, "consume", "--app", BILLING_APP, "--group",
                         demo_app.BILLING_GROUP, "--streams", demo_app.INVOICES], env,
                        logs / "billing-consumer.log")
@@ -201,17 +182,17 @@ def _run(args: argparse.Namespace, settings: CommonSettings, redis_url: str,
         time.sleep(0.1)  # the last events (run.completed) are still on their way: let them land
     client = connect_redis(redis_url)
     if billing is not None:
-        _late_customer_arrives(engine, client, stamp, billing,
+        demo_billing.late_customer_arrives(engine, client, stamp, billing,
                                lambda: time.monotonic() < deadline and not children.dead())
     summary = _summary(engine, client, settings, stamp, args.runs)
-    summary.update(_billing_summary(engine, client, stamp, billing))
+    summary.update(demo_billing.billing_summary(engine, client, stamp, billing))
     summary["dead"] += summary.pop("billing_dead_other", 0)  # ``dead``: every unexpected one
     summary["receipt_replay"] = replay
     summary["seconds"] = round(time.monotonic() - started, 2)
     _report(summary, args, settings, redis_url)
     ok = (summary["completed"] == args.runs and summary["dead"] == 0
           and summary["dead_on_purpose"] == args.dead_letters
-          and summary["invoices_applied"] == (INVOICES_FOR_KNOWN if billing else 0))
+          and summary["invoices_applied"] == (demo_billing.INVOICES_FOR_KNOWN if billing else 0))
     return 0 if ok else 1
 
 
@@ -250,127 +231,6 @@ def _child_env(args: argparse.Namespace, settings: CommonSettings, redis_url: st
         "OUTBOX_CLAIM_IDLE_MS": "5000",
         "OUTBOX_DEMO_STAGE_MS": str(max(args.stage_ms, 0)),
         "OUTBOX_RUN_CONCURRENCY": "16",
-    }
-
-
-def _late_customer_arrives(engine: Engine, client: redis.Redis, stamp: str, billing: Billing,
-                           go_on: Callable[[], bool]) -> None:
-    """Wait (while ``go_on()``) until billing settled every invoice and wrote the deliberate
-    letters, then add their customer: from now on a replay of those letters applies them.
-    Added only after they are dead, or billing would have applied them in the first place."""
-    while not _billing_settled(engine, client, stamp, billing) and go_on():
-        time.sleep(0.1)
-    with engine.begin() as conn:
-        conn.execute(insert(demo_app.customers).values(
-            id=billing.late_customer, name=LATE_CUSTOMER.title()))
-
-
-def _issue_invoices(engine: Engine, settings: CommonSettings, stamp: str, late: int) -> Billing:
-    """Billing's known customers, ``INVOICES_FOR_KNOWN`` invoices for them and ``late`` for a
-    customer billing does not know yet, each invoice with its ``invoice.issued`` event in one
-    transaction (the producer's side of the story). Ids carry the demo's stamp, so a demo
-    tells its own rows and events from those of earlier demos in a shared database."""
-    producer = Producer(source="outbox-demo", partitions=settings.partitions, key_prefix=stamp)
-    late_customer = f"{stamp}-{LATE_CUSTOMER}"
-    wanted = [f"{stamp}-{KNOWN_CUSTOMERS[n % len(KNOWN_CUSTOMERS)]}"
-              for n in range(INVOICES_FOR_KNOWN)] + [late_customer] * late
-    on_purpose = set()
-    with engine.begin() as conn:
-        conn.execute(insert(demo_app.customers), [
-            {"id": f"{stamp}-{name}", "name": name.title()} for name in KNOWN_CUSTOMERS])
-        for n, customer in enumerate(wanted):
-            event_id = producer.enqueue(
-                conn, type=demo_app.INVOICE_ISSUED, stream=demo_app.INVOICES,
-                aggregate_type="invoice", aggregate_id=f"{stamp}-invoice-{n:04d}", revision=1,
-                data={"customer_id": customer, "amount_cents": 1000 + 250 * n})
-            if customer == late_customer:
-                on_purpose.add(event_id)
-    return Billing(len(wanted), late_customer, frozenset(on_purpose))
-
-
-def _billing_settled(engine: Engine, client: redis.Redis, stamp: str, billing: Billing) -> bool:
-    """Every invoice delivered and settled by billing, and the deliberate letters written."""
-    with engine.connect() as conn:
-        undelivered = conn.execute(select(func.count()).where(
-            outbox.c.stream == demo_app.INVOICES, outbox.c.event_id.like(f"{stamp}-%"),
-            outbox.c.delivered_at_ms.is_(None))).scalar_one()
-        receipts = conn.execute(select(func.count()).where(
-            inbox.c.group_name == demo_app.BILLING_GROUP,
-            inbox.c.event_id.like(f"{stamp}-%"))).scalar_one()
-    if undelivered or receipts < billing.issued:
-        return False
-    letters = _invoice_letters(client, stamp)
-    return len(split_letters(letters, billing.on_purpose).mine) >= len(billing.on_purpose)
-
-
-def _invoice_letters(client: redis.Redis, stamp: str) -> list[DeadLetter]:
-    with translate_redis_errors():
-        return dead_letters.list_letters(client, stamp, stream=demo_app.INVOICES, count=10_000)
-
-
-@dataclass(frozen=True)
-class Split:
-    """A demo's invoice letters, by who made them and whether that was meant."""
-
-    mine: list[DeadLetter]  # this demo's deliberate letters
-    earlier: list[DeadLetter]  # earlier demos' deliberate letters, never replayed, back again
-    other: list[DeadLetter]  # anything else: a failure
-
-
-def split_letters(letters: Iterable[DeadLetter], on_purpose: frozenset[str]) -> Split:
-    """Only the demo's deliberate letters (billing's ``rejected`` letters of the late
-    customer's invoices) may be dead in a demo that succeeds: an out-of-order, unknown-type or
-    any other letter is a failure it must report.
-
-    One more kind is no failure: an **earlier** demo's deliberate letter. Demos that share a
-    database (``OUTBOX_DATABASE_URL``; the default SQLite file is new each time) share the
-    outbox, and a relay under the new key prefix finds the earlier demos' delivered rows missing
-    from its (new, empty) streams and refills them (repair, as after a Redis that lost data);
-    billing's ``dead`` receipt of an invoice nobody replayed then makes a letter of it again."""
-    split = Split([], [], [])
-    for letter in letters:
-        event_id = letter.fields.get(b"id", b"").decode("utf-8", "replace")
-        deliberate = (letter.group == demo_app.BILLING_GROUP and letter.reason == "rejected"
-                      and letter.fields.get(b"type") == demo_app.INVOICE_ISSUED.encode())
-        if deliberate and event_id in on_purpose:
-            split.mine.append(letter)
-        elif deliberate and _late_customer_of_a_demo(letter):
-            split.earlier.append(letter)
-        else:
-            split.other.append(letter)
-    return split
-
-
-def _late_customer_of_a_demo(letter: DeadLetter) -> bool:
-    try:
-        data = json.loads(letter.fields.get(b"data", b"null"))
-    except ValueError:
-        return False
-    customer = data.get("customer_id") if isinstance(data, dict) else None
-    return (isinstance(customer, str) and customer.startswith("demo-")
-            and customer.endswith(f"-{LATE_CUSTOMER}"))
-
-
-def _billing_summary(engine: Engine, client: redis.Redis, stamp: str,
-                     billing: Billing | None) -> dict[str, Any]:
-    """Billing's counts; its letters and ``dead`` receipts beyond the deliberate ones are
-    added to the summary's ``dead``."""
-    if billing is None:
-        return {"invoices_issued": 0, "invoices_applied": 0, "dead_on_purpose": 0}
-    with engine.connect() as conn:
-        outcomes = list(conn.execute(select(inbox.c.event_id, inbox.c.outcome).where(
-            inbox.c.group_name == demo_app.BILLING_GROUP, inbox.c.event_id.like(f"{stamp}-%"))))
-    split = split_letters(_invoice_letters(client, stamp), billing.on_purpose)
-    stray_receipts = sum(1 for event_id, outcome in outcomes
-                         if outcome == "dead" and event_id not in billing.on_purpose)
-    return {
-        "invoices_issued": billing.issued,
-        "invoices_applied": sum(1 for _e, outcome in outcomes if outcome == "applied"),
-        "dead_on_purpose": len(split.mine),
-        "dead_on_purpose_ids": [letter.letter_id for letter in split.mine],
-        "dead_on_purpose_earlier_demos": len(split.earlier),
-        "late_customer": billing.late_customer,
-        "billing_dead_other": len(split.other) + stray_receipts,
     }
 
 
@@ -430,62 +290,6 @@ def _answer_questions(engine: Engine, store: RunStore, stamp: str,
                               second_replayed=again.replayed,
                               revision_unchanged=again.row.revision == first.row.revision)
     return len(waiting)
-
-
-@dataclass(frozen=True)
-class OwnRedis:
-    """A redis-server the demo started, and its working directory (empty: it saves nothing)."""
-
-    proc: subprocess.Popen[bytes]
-    workdir: str
-
-    def stop(self) -> None:
-        """Stop it and remove its directory, so demos leave nothing behind in the temp dir."""
-        self.proc.terminate()
-        self.proc.wait(timeout=10)
-        shutil.rmtree(self.workdir, ignore_errors=True)
-
-
-def _redis(url: str, *, detach: bool) -> tuple[str, OwnRedis | None]:
-    """The Redis at ``url``, or one started for the demo when none answers there. A server
-    that answers but refuses us (credentials, no such database, not Redis) is an error: a
-    Redis of our own would hide the mistake in the URL. ``detach``: ours is in its own session,
-    so that a Ctrl-C in the terminal later does not stop the server ``--keep-redis`` keeps."""
-    try:
-        with translate_redis_errors():
-            connect_redis(url, timeout_s=2).ping()
-        return url, None
-    except UnavailableError:
-        pass
-    binary = shutil.which("redis-server")
-    if binary is None:
-        raise UnavailableError(
-            f"no Redis at {redact_url(url)} and no redis-server binary to start one. "
-            "Start one with `docker compose up -d redis` (compose.yaml) or install the "
-            "system package (apt-get install redis-server), or set OUTBOX_REDIS_URL."
-        )
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    workdir = tempfile.mkdtemp(prefix="outbox-demo-redis-")
-    proc = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-         "--dir", workdir],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=detach,
-    )
-    own = f"redis://127.0.0.1:{port}/0"
-    client = connect_redis(own, timeout_s=1)
-    for _ in range(100):
-        try:
-            client.ping()
-            print(f"started redis-server on port {port} for this demo", file=sys.stderr)
-            return own, OwnRedis(proc, workdir)
-        except redis.RedisError:
-            time.sleep(0.05)
-    proc.kill()
-    proc.wait()
-    shutil.rmtree(workdir, ignore_errors=True)
-    raise UnavailableError("could not start a redis-server for the demo")
 
 
 def _drained(engine: Engine, stamp: str) -> bool:
