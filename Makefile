@@ -7,7 +7,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: install demo test test-cluster lint typecheck unit integration acceptance bench bench-quick torture torture-short soak soak-quick clean
+.PHONY: install demo check test test-cluster lint typecheck unit integration acceptance bench bench-quick torture torture-short soak soak-quick clean
 
 # `make install` says what it does; pip prints one line per package (no progress bars in CI,
 # CI=true, where they would fill the log), so a first install of ~30 s is never silent.
@@ -33,6 +33,13 @@ lint: install
 
 typecheck: install
 	$(BIN)/mypy
+
+# The developer's quick loop (about 3 minutes on 2 cores): lint, types, the unit tests and the
+# integration tests on SQLite. Left to `make test`, which runs everything: the PostgreSQL half
+# (marker postgresql), the acceptance tests, torture, soak, bench and failover runs and the
+# Redis Cluster/Sentinel sets (torture), and fixed-length tests of many seconds (slow).
+check: lint typecheck
+	$(BIN)/pytest tests/unit tests/integration -m "not postgresql and not torture and not slow"
 
 test: lint typecheck
 	sh scripts/install-browser.sh  # Chromium for the console's browser test; never fails

@@ -7,28 +7,55 @@ condition), stream readers, a test table handlers write their effects to, and a 
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
+import re
 import shutil
 import socket
 import subprocess
+import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import redis
-from sqlalchemy import Column, Connection, Engine, Integer, MetaData, String, Table, select
+from sqlalchemy import (
+    Column,
+    Connection,
+    Engine,
+    Integer,
+    MetaData,
+    Row,
+    String,
+    Table,
+    func,
+    select,
+    update,
+)
 
+from outbox_relay.consumer import Handlers
+from outbox_relay.consumer.daemon import Consumer
 from outbox_relay.producer import Producer
+from outbox_relay.relay import entry_ids
 from outbox_relay.relay.outgoing import OutboxRow
 from outbox_relay.shared import keys
 from outbox_relay.shared.envelope import Event
-from outbox_relay.shared.schema import outbox
+from outbox_relay.shared.schema import inbox, relay_leases
+from outbox_relay.shared.schema import outbox as outbox_table
 from outbox_relay.shared.settings import ConsumerSettings, RelaySettings
 from tests.conftest import REDIS_URL
+
+if TYPE_CHECKING:
+    import httpx
+    from fastapi import FastAPI
+
+ROOT = Path(__file__).resolve().parents[1]
+OUTBOX = Path(sys.executable).with_name("outbox")  # the console script of this virtualenv
 
 PARTITIONS = 4
 STREAM = "runs"
@@ -235,7 +262,7 @@ def enqueue_events(
 def outbox_rows(engine: Engine) -> list[Any]:
     """Every outbox row, in ``seq`` order."""
     with engine.connect() as conn:
-        return list(conn.execute(select(outbox).order_by(outbox.c.seq)))
+        return list(conn.execute(select(outbox_table).order_by(outbox_table.c.seq)))
 
 
 def undelivered(engine: Engine) -> int:
@@ -274,3 +301,251 @@ def receipt_outcomes(engine: Engine) -> dict[str, str]:
     with engine.connect() as conn:
         rows = conn.execute(select(inbox_table.c.event_id, inbox_table.c.outcome))
         return {event_id: outcome for event_id, outcome in rows}
+
+
+def receipts(engine: Engine, group: str | None = GROUP) -> dict[str, tuple[str, str | None]]:
+    """Every receipt's ``(outcome, reason)`` by event id, of ``group`` (None: any group)."""
+    query = select(inbox.c.event_id, inbox.c.outcome, inbox.c.reason)
+    if group is not None:
+        query = query.where(inbox.c.group_name == group)
+    with engine.connect() as conn:
+        return {i: (o, r) for i, o, r in conn.execute(query)}
+
+
+def receipt_rows(engine: Engine) -> dict[str, Row[Any]]:
+    """Every receipt row of :data:`GROUP` by event id."""
+    with engine.connect() as conn:
+        rows = conn.execute(select(inbox).where(inbox.c.group_name == GROUP)).all()
+    return {r.event_id: r for r in rows}
+
+
+def receipt_counts(engine: Engine) -> dict[str, int]:
+    """How many receipts of :data:`GROUP` have each outcome."""
+    with engine.connect() as conn:
+        rows = conn.execute(select(inbox.c.outcome, func.count())
+                            .where(inbox.c.group_name == GROUP)
+                            .group_by(inbox.c.outcome)).all()
+    return {str(outcome): int(n) for outcome, n in rows}
+
+
+# --- consumers --------------------------------------------------------------------------------
+
+class Recorder:
+    """Handlers for ``thing.happened`` that write an effect row, and may fail on purpose."""
+
+    def __init__(self, fails: Callable[[Event, int], bool] = lambda _e, _n: False) -> None:
+        self.calls: Counter[str] = Counter()
+        self.fails = fails
+        self.handlers = Handlers()
+        self.handlers.register("thing.happened", self.handle)
+
+    def handle(self, conn: Connection, ev: Event) -> None:
+        self.calls[ev.id] += 1
+        record_effect(conn, ev)
+        if self.fails(ev, self.calls[ev.id]):
+            raise RuntimeError("the handler failed on purpose")
+
+
+class HasHandlers(Protocol):
+    """Anything carrying a handler registry: a :class:`Recorder`, a test module's app."""
+
+    @property
+    def handlers(self) -> Handlers: ...
+
+
+def make_consumer(
+    engine: Engine, client: redis.Redis, prefix: str, app: HasHandlers, **settings: Any
+) -> Consumer:
+    """A consumer on :func:`consumer_settings` (``settings`` override them) with ``app``'s
+    handlers."""
+    return Consumer(consumer_settings(prefix, **settings), engine, client, app.handlers)
+
+
+# --- numbered events, and the relay's repair ---------------------------------------------------
+
+def enqueue_numbered(
+    engine: Engine, prefix: str, first: int, count: int, *, source: str, partitions: int,
+    stream: str = "things", id_format: str | None = None, aggregates: int | None = None,
+) -> None:
+    """Commit ``thing.done`` events ``n`` = ``first`` … ``first + count - 1`` (data ``{"n": n}``)
+    in one transaction. ``id_format`` (``"evt-{n:04d}"``) names each event, else the producer
+    does; ``aggregates`` spreads them over aggregates ``a{n % aggregates}``, else none."""
+    producer = Producer(source=source, partitions=partitions, key_prefix=prefix)
+    with engine.begin() as conn:
+        for n in range(first, first + count):
+            options: dict[str, Any] = {}
+            if id_format is not None:
+                options["event_id"] = id_format.format(n=n)
+            if aggregates is not None:
+                options["aggregate_id"] = f"a{n % aggregates}"
+            producer.enqueue(conn, type="thing.done", stream=stream, data={"n": n}, **options)
+
+
+REPAIR_PARTITIONS = 2
+
+
+def repair_settings(engine: Engine, prefix: str) -> RelaySettings:
+    """The repair tests' relay: :data:`REPAIR_PARTITIONS` partitions, node ``repair-test``."""
+    return RelaySettings(
+        database_url=engine.url.render_as_string(hide_password=False),
+        redis_url=REDIS_URL,
+        key_prefix=prefix,
+        partitions=REPAIR_PARTITIONS,
+        node_id="repair-test",
+    )
+
+
+def repair_enqueue(engine: Engine, prefix: str, first: int, count: int) -> None:
+    """The repair tests' events ``evt-0000`` …, on stream ``things``."""
+    enqueue_numbered(engine, prefix, first, count, source="repair-test",
+                     partitions=REPAIR_PARTITIONS, id_format="evt-{n:04d}")
+
+
+def delivered_entries(engine: Engine, partition: int) -> list[tuple[str, str]]:
+    """``(entry id, event id)`` of the delivered rows of stream ``things`` in ``partition``,
+    in entry id order: what its stream should hold."""
+    with engine.connect() as conn:
+        rows = conn.execute(
+            select(outbox_table.c.entry_id, outbox_table.c.event_id).where(
+                outbox_table.c.stream == "things", outbox_table.c.partition == partition,
+                outbox_table.c.delivered_at_ms.is_not(None),
+            )
+        ).all()
+    return sorted(((e, i) for e, i in rows), key=lambda t: entry_ids.parse(t[0]))
+
+
+def stream_contents(client: redis.Redis, prefix: str, partition: int) -> list[tuple[str, str]]:
+    """``(entry id, event id)`` of every entry of stream ``things`` in ``partition``."""
+    key = keys.stream_key(prefix, "things", partition)
+    return [(i.decode(), f[b"id"].decode()) for i, f in client.xrange(key)]
+
+
+# --- the relay ---------------------------------------------------------------------------------
+
+TTL = 10_000  # the relay tests' lease TTL (ms)
+
+
+def assert_each_once(client: redis.Redis, prefix: str, event_ids: list[str]) -> None:
+    """Every id exactly once in the streams, nothing else there."""
+    seen = Counter(fields["id"] for _p, _id, fields in stream_entries(client, prefix))
+    assert seen == Counter(event_ids)
+
+
+def assert_all_marked(engine: Engine, client: redis.Redis, prefix: str) -> None:
+    """Each row is delivered, and its stored entry id is where Redis holds its event."""
+    by_id = {fields["id"]: (p, entry_id) for p, entry_id, fields in stream_entries(client, prefix)}
+    for row in outbox_rows(engine):
+        assert row.delivered_at_ms is not None, row.event_id
+        assert by_id[row.event_id] == (row.partition, row.entry_id)
+
+
+def lease_owners(engine: Engine) -> dict[int, str | None]:
+    with engine.connect() as conn:
+        return dict(conn.execute(select(relay_leases.c.partition, relay_leases.c.owner)).all())
+
+
+def expire_lease(engine: Engine, partition: int) -> None:
+    """What the clock does to the lease of a relay that stalls past its TTL."""
+    with engine.begin() as conn:
+        conn.execute(
+            update(relay_leases).where(relay_leases.c.partition == partition)
+            .values(expires_at_ms=0)
+        )
+
+
+class LostReply:
+    """A Redis client whose next ``n`` append calls (``EVALSHA``, or pipelines) really run,
+    then report a timeout: the outcome a relay sees when the reply is lost."""
+
+    def __init__(self, real: redis.Redis, n: int = 1) -> None:
+        self.real, self.remaining = real, n
+
+    def evalsha(self, *args: Any) -> Any:
+        answer = self.real.evalsha(*args)
+        if self.remaining > 0:
+            self.remaining -= 1
+            raise redis.TimeoutError("Timeout reading from socket")
+        return answer
+
+    def pipeline(self, transaction: bool = True) -> Any:
+        pipe = self.real.pipeline(transaction=transaction)
+        if self.remaining > 0:
+            self.remaining -= 1
+            execute = pipe.execute
+
+            def execute_then_time_out(raise_on_error: bool = True) -> Any:
+                execute(raise_on_error=raise_on_error)
+                raise redis.TimeoutError("Timeout reading from socket")
+
+            pipe.execute = execute_then_time_out  # type: ignore[method-assign]
+        return pipe
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)
+
+
+# --- Redis ACLs (docs/security.md) and TLS -----------------------------------------------------
+
+SECURITY_DOC = ROOT / "docs" / "security.md"
+
+
+def documented_acl() -> dict[str, str]:
+    """``{role: rules}`` from the ``user outbox-<role> …`` lines of docs/security.md."""
+    found = re.findall(r"^user outbox-(\w+) (.+)$", SECURITY_DOC.read_text(), flags=re.MULTILINE)
+    return dict(found)
+
+
+def rule_words(rules: str) -> list[str]:
+    """The ACL words of ``rules``; a selector ``(~k:* +cmd ...)`` is one word."""
+    return re.findall(r"\([^)]*\)|\S+", rules)
+
+
+def make_certificates(folder: Path) -> dict[str, Path]:
+    """A throwaway CA, a server certificate for 127.0.0.1 and a client certificate."""
+    def run(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=folder, check=True, capture_output=True)
+
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    run("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "2",
+        "-subj", "/CN=outbox-test-ca")
+    (folder / "san.cnf").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    for name in ("server", "client"):
+        run("req", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr",
+            "-subj", f"/CN=outbox-test-{name}")
+        run("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+            "-CAcreateserial", "-out", f"{name}.pem", "-days", "2", "-extfile", "san.cnf")
+    return {n: folder / n for n in ("ca.pem", "server.pem", "server.key", "client.pem",
+                                    "client.key")}
+
+
+# --- the HTTP app in process, and the CLI as a subprocess --------------------------------------
+
+def assert_error(response: httpx.Response, status: int, code: str) -> None:
+    """``response`` is the API's error shape with ``status`` and ``code``, no traceback."""
+    assert response.status_code == status
+    body = response.json()
+    assert body == {"error": {"code": code, "message": body["error"]["message"]}}
+    assert "Traceback" not in response.text
+
+
+def call(app: FastAPI, method: str, url: str, **kwargs: Any) -> httpx.Response:
+    """One request through the ASGI app (the chunks of a generator body arrive one by one)."""
+    import httpx
+
+    async def go() -> httpx.Response:
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            return await client.request(method, url, **kwargs)
+
+    return asyncio.run(go())
+
+
+def outbox(
+    *args: str, env: dict[str, str] | None = None, cwd: Path | None = None, timeout: float = 60
+) -> subprocess.CompletedProcess[str]:
+    """Run ``outbox …`` with a clean ``OUTBOX_*`` environment plus ``env``."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
+    return subprocess.run(
+        [str(OUTBOX), *args], env={**base, **(env or {})}, cwd=cwd, capture_output=True,
+        text=True, timeout=timeout, check=False,
+    )

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,23 +12,9 @@ import redis
 
 from outbox_relay.shared.settings import CommonSettings, ConsumerSettings, RelaySettings
 from tests.conftest import REDIS_URL
-from tests.helpers import PARTITIONS, enqueue_events
+from tests.helpers import OUTBOX, PARTITIONS, enqueue_events, outbox
 
 pytestmark = pytest.mark.acceptance
-
-OUTBOX = Path(sys.executable).with_name("outbox")
-
-
-def outbox(
-    *args: str, env: dict[str, str] | None = None, cwd: Path | None = None, timeout: float = 60
-) -> subprocess.CompletedProcess[str]:
-    """Run ``outbox …`` with a clean ``OUTBOX_*`` environment plus ``env``."""
-    base = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
-    return subprocess.run(
-        [str(OUTBOX), *args], env={**base, **(env or {})}, cwd=cwd, capture_output=True,
-        text=True, timeout=timeout, check=False,
-    )
-
 
 def flags(model: type[CommonSettings]) -> list[str]:
     return ["--" + name.replace("_", "-") for name in model.model_fields]

@@ -15,7 +15,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -31,8 +30,8 @@ from outbox_relay.cli import demo_app, demo_billing
 from outbox_relay.consumer import dead_letters
 from outbox_relay.shared import db
 from outbox_relay.shared.schema import inbox
-from tests.acceptance.test_cli import OUTBOX
 from tests.conftest import REDIS_URL
+from tests.helpers import OUTBOX, free_port
 
 pytestmark = pytest.mark.acceptance
 
@@ -243,12 +242,6 @@ def demo_app_known() -> int:
     return demo_billing.INVOICES_FOR_KNOWN
 
 
-def closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def answers(url: str) -> bool:
     client = redis.Redis.from_url(url, socket_connect_timeout=1)
     try:
@@ -271,7 +264,7 @@ def test_with_its_own_redis_the_demo_says_the_letters_went_and_keeps_it_when_ask
     stops it. Both demos use one database file, as a user's ``OUTBOX_DATABASE_URL`` would: the
     second one meets the first one's letters again (refilled from the outbox) and still
     succeeds, for they were made on purpose too."""
-    nowhere = f"redis://127.0.0.1:{closed_port()}/0"
+    nowhere = f"redis://127.0.0.1:{free_port()}/0"
     database_url = f"sqlite:///{tmp_path}/demo.db"
     temp = tmp_path / "temp"  # where the demo's redis-server gets its working directory
     temp.mkdir()

@@ -10,7 +10,6 @@ import json
 import os
 import re
 import shlex
-import socket
 import subprocess
 import time
 import uuid
@@ -23,9 +22,8 @@ import pytest
 from sqlalchemy import Engine, create_engine, text
 
 from outbox_relay.shared import db
-from tests.acceptance.test_cli import OUTBOX, outbox
 from tests.conftest import PG_ADMIN_URL, REDIS_URL, pg_schema_url
-from tests.helpers import PARTITIONS, enqueue_events
+from tests.helpers import OUTBOX, PARTITIONS, enqueue_events, free_port, outbox
 from tests.not_redis import not_redis_server
 
 pytestmark = pytest.mark.acceptance
@@ -91,9 +89,7 @@ def test_a_host_that_answers_but_is_not_redis_is_one_line(
 
 
 def test_an_unreachable_redis_says_host_port_and_db_but_never_the_password() -> None:
-    with socket.socket() as s:  # a port nobody listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # a port nobody listens on
     result = outbox("dlq", "list", "--redis-url", f"redis://u:hunter2@127.0.0.1:{port}/3")
     line = one_line_error(result, "unavailable", 1)
     assert line == f"error unavailable: Redis at 127.0.0.1:{port}/3 is unavailable or timed out"

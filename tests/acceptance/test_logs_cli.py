@@ -11,9 +11,8 @@ from pathlib import Path
 import pytest
 
 from outbox_relay.cli.main import build_parser
-from tests.acceptance.test_cli import outbox
 from tests.conftest import REDIS_URL
-from tests.helpers import PARTITIONS
+from tests.helpers import PARTITIONS, outbox
 
 pytestmark = pytest.mark.acceptance
 

@@ -16,11 +16,11 @@ from sqlalchemy import text
 
 from outbox_relay.shared import db
 from tests.conftest import REDIS_URL
+from tests.helpers import OUTBOX
 
 pytestmark = pytest.mark.acceptance
 
 REPO = Path(__file__).resolve().parents[2]
-OUTBOX = Path(sys.executable).with_name("outbox")
 
 
 def _env(database_url: str) -> dict[str, str]:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.acceptance, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.acceptance, pytest.mark.torture, pytest.mark.timeout(240)]
 
 ROOT = Path(__file__).resolve().parents[2]
 EVENTS, AGGREGATES = 60, 10

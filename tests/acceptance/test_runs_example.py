@@ -8,7 +8,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -18,13 +17,12 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.acceptance.test_serve import free_port
 from tests.conftest import REDIS_URL
+from tests.helpers import OUTBOX, free_port
 
 pytestmark = pytest.mark.acceptance
 
 REPO = Path(__file__).resolve().parents[2]
-OUTBOX = Path(sys.executable).with_name("outbox")
 
 
 class Daemons:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ from sqlalchemy import Engine
 from outbox_relay.cli import demo_app as jobs
 from outbox_relay.runs.snapshot import Question
 from outbox_relay.runs.store import RunStore
+from tests.helpers import free_port
 
 pytestmark = pytest.mark.acceptance
 
@@ -26,12 +26,6 @@ pytestmark = pytest.mark.acceptance
 class Server:
     url: str
     log: Path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture

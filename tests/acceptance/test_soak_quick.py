@@ -20,7 +20,7 @@ import pytest
 
 from torture.soak import FLAT_SERIES
 
-pytestmark = [pytest.mark.acceptance, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.acceptance, pytest.mark.torture, pytest.mark.timeout(300)]
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -27,7 +27,7 @@ import pytest
 
 from torture.brokers import REPLICATED_FAULTS
 
-pytestmark = [pytest.mark.acceptance, pytest.mark.timeout(400)]
+pytestmark = [pytest.mark.acceptance, pytest.mark.torture, pytest.mark.timeout(400)]
 
 ROOT = Path(__file__).resolve().parents[2]
 

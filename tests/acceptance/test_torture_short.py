@@ -32,7 +32,7 @@ import pytest
 from torture.brokers import QUICK_FAULTS
 from torture.chaos import DB_FAULT, POINTS_BY_KIND
 
-pytestmark = [pytest.mark.acceptance, pytest.mark.timeout(660)]
+pytestmark = [pytest.mark.acceptance, pytest.mark.torture, pytest.mark.timeout(660)]
 
 ROOT = Path(__file__).resolve().parents[2]
 KILLED_KINDS = ("producer", "relay", "consumer", "worker")

@@ -30,7 +30,7 @@ from outbox_relay.runs.snapshot import Question
 from outbox_relay.runs.store import RunStore
 from outbox_relay.shared.errors import ConfigError
 from outbox_relay.shared.settings import RetentionSettings
-from tests.integration.test_http import assert_error, call
+from tests.helpers import assert_error, call
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("runs_tables")]
 

@@ -27,7 +27,7 @@ import pytest
 
 from outbox_relay.runs import schema as runs_schema
 from outbox_relay.shared import db
-from tests.integration.test_security import make_certificates
+from tests.helpers import free_port, make_certificates
 
 pytestmark = pytest.mark.integration
 
@@ -47,12 +47,6 @@ class Server:
     def get(self, path: str) -> httpx.Response:
         return httpx.get(f"http://127.0.0.1:{self.port}{path}", timeout=10,
                          headers={"authorization": f"Bearer {TOKEN}"})
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @contextlib.contextmanager

@@ -23,7 +23,6 @@ import contextlib
 import json
 import os
 import subprocess
-import sys
 from collections import Counter, defaultdict
 from collections.abc import Iterator
 from pathlib import Path
@@ -44,6 +43,7 @@ from outbox_relay.shared.redis_conn import connect_redis
 from outbox_relay.shared.schema import outbox
 from tests.helpers import (
     GROUP,
+    OUTBOX,
     STREAM,
     consumer_settings,
     create_effects,
@@ -56,11 +56,10 @@ from tests.helpers import (
 )
 from torture.redis_sets import LocalCluster, TopologyUnsupported
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.torture]  # starts a Redis Cluster
 
 PARTITIONS = 8
 AGGREGATES = 24  # every partition of 8 has aggregates; 24 consecutive events reach them all
-OUTBOX = Path(sys.executable).with_name("outbox")
 
 
 def start_cluster(workdir: Path) -> LocalCluster:

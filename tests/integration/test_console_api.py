@@ -22,8 +22,7 @@ from outbox_relay.runs.http import create_app
 from outbox_relay.runs.store import RunStore
 from outbox_relay.shared.schema import console_actions
 from tests import console_kit
-from tests.helpers import GROUP, effect_counts, enqueue_events, relay_settings
-from tests.integration.test_http import assert_error, call
+from tests.helpers import GROUP, assert_error, call, effect_counts, enqueue_events, relay_settings
 
 pytestmark = pytest.mark.integration
 

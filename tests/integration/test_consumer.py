@@ -11,28 +11,27 @@ from typing import Any
 
 import pytest
 import redis
-from sqlalchemy import Connection, Engine, select
+from sqlalchemy import Engine
 
-from outbox_relay.consumer import Handlers, streams
+from outbox_relay.consumer import streams
 from outbox_relay.consumer.daemon import Consumer
 from outbox_relay.relay.daemon import Relay
 from outbox_relay.shared import keys
-from outbox_relay.shared.envelope import Event
 from outbox_relay.shared.errors import UnavailableError
-from outbox_relay.shared.schema import inbox
 from tests.helpers import (
     GROUP,
     PARTITIONS,
     STREAM,
-    consumer_settings,
+    Recorder,
     dead_letters,
     effect_counts,
     enqueue_events,
     event,
     key_of,
+    make_consumer,
     outbox_rows,
     pending_total,
-    record_effect,
+    receipt_rows,
     relay_settings,
     stream_entries,
     wait_until,
@@ -40,35 +39,6 @@ from tests.helpers import (
 )
 
 pytestmark = pytest.mark.integration
-
-
-class Recorder:
-    """Handlers for ``thing.happened`` that write an effect row, and may fail on purpose."""
-
-    def __init__(self, fails: Callable[[Event, int], bool] = lambda _e, _n: False) -> None:
-        self.calls: Counter[str] = Counter()
-        self.fails = fails
-        self.handlers = Handlers()
-        self.handlers.register("thing.happened", self.handle)
-
-    def handle(self, conn: Connection, ev: Event) -> None:
-        self.calls[ev.id] += 1
-        record_effect(conn, ev)
-        if self.fails(ev, self.calls[ev.id]):
-            raise RuntimeError("the handler failed on purpose")
-
-
-
-def make_consumer(
-    engine: Engine, client: redis.Redis, prefix: str, recorder: Recorder, **settings: Any
-) -> Consumer:
-    return Consumer(consumer_settings(prefix, **settings), engine, client, recorder.handlers)
-
-
-def receipts(engine: Engine) -> dict[str, Any]:
-    with engine.connect() as conn:
-        rows = conn.execute(select(inbox).where(inbox.c.group_name == GROUP)).all()
-    return {r.event_id: r for r in rows}
 
 
 def run_until(consumer: Consumer, condition: Callable[[], object], what: str) -> None:
@@ -91,7 +61,7 @@ def test_duplicate_delivery_has_exactly_one_effect(
     assert effect_counts(effects_engine) == {ev.id: 1}
     assert recorder.calls == {ev.id: 1}
     assert (consumer.stats.applied, consumer.stats.duplicates) == (1, 2)
-    receipt = receipts(effects_engine)[ev.id]
+    receipt = receipt_rows(effects_engine)[ev.id]
     assert (receipt.outcome, receipt.duplicates) == ("applied", 2)
     assert pending_total(redis_client, key_prefix) == 0
 
@@ -111,7 +81,7 @@ def test_an_older_revision_is_dead_lettered_out_of_order_never_skipped(
     consumer.run_once()
 
     assert recorder.calls == {newer.id: 1, newest.id: 1}
-    got = receipts(effects_engine)
+    got = receipt_rows(effects_engine)
     assert {i: (r.outcome, r.reason) for i, r in got.items()} == {
         newer.id: ("applied", None), older.id: ("dead", "out_of_order"),
         newest.id: ("applied", None)}
@@ -156,7 +126,7 @@ def test_invalid_entries_go_to_the_partitions_dead_letters(
     assert {k: letter[k] for k in raw} == raw  # the original fields, byte for byte
     assert consumer.stats.invalid == 1
     assert pending_total(redis_client, key_prefix) == 0
-    assert recorder.calls == {} and receipts(effects_engine) == {}
+    assert recorder.calls == {} and receipt_rows(effects_engine) == {}
     for other in range(PARTITIONS):
         if other != partition:
             assert dead_letters(redis_client, key_prefix, other) == []
@@ -174,7 +144,7 @@ def test_unknown_event_type_is_dead_lettered(
     (letter,) = dead_letters(redis_client, key_prefix, keys.partition_for("agg-3", PARTITIONS))
     assert letter[b"dlq.reason"] == b"unknown_type"
     assert letter[b"id"] == ev.id.encode()
-    receipt = receipts(effects_engine)[ev.id]
+    receipt = receipt_rows(effects_engine)[ev.id]
     assert (receipt.outcome, receipt.reason) == ("dead", "unknown_type")
     assert recorder.calls == {}
     assert pending_total(redis_client, key_prefix) == 0
@@ -193,7 +163,7 @@ def test_failing_handler_rolls_back_alone_is_retried_then_dead_lettered(
 
     # The batch's other entries committed; the failing one wrote nothing and stays pending.
     assert effect_counts(effects_engine) == {good[0].id: 1, good[1].id: 1}
-    assert set(receipts(effects_engine)) == {good[0].id, good[1].id}
+    assert set(receipt_rows(effects_engine)) == {good[0].id, good[1].id}
     assert consumer.stats.failed == 1
     assert pending_total(redis_client, key_prefix) == 1
 
@@ -205,7 +175,7 @@ def test_failing_handler_rolls_back_alone_is_retried_then_dead_lettered(
     assert int(letter[b"dlq.deliveries"]) == 4
     assert recorder.calls[bad.id] == 3  # max_deliveries attempts, then no more
     assert consumer.stats.autoclaimed >= 3
-    receipt = receipts(effects_engine)[bad.id]
+    receipt = receipt_rows(effects_engine)[bad.id]
     assert (receipt.outcome, receipt.reason) == ("dead", "max_deliveries")
     assert bad.id not in effect_counts(effects_engine)
     assert pending_total(redis_client, key_prefix) == 0
@@ -270,7 +240,7 @@ def test_consumer_killed_between_claim_commit_and_ack(
     assert restarted.stats.duplicates == 5 and restarted.stats.applied == 0
     assert effect_counts(effects_engine) == {ev.id: 1 for ev in evs}
     assert recorder.calls == {ev.id: 1 for ev in evs}
-    assert {r.duplicates for r in receipts(effects_engine).values()} == {1}
+    assert {r.duplicates for r in receipt_rows(effects_engine).values()} == {1}
     assert pending_total(redis_client, key_prefix) == 0
 
 
@@ -304,7 +274,7 @@ def test_end_to_end_200_events_over_4_partitions(
     try:
         for start in range(0, 200, 25):
             ids += enqueue_events(engine, 25, aggregates=20, first=start)
-        wait_until(lambda: len(receipts(engine)) == 200, timeout=60,
+        wait_until(lambda: len(receipt_rows(engine)) == 200, timeout=60,
                    what="every event to be consumed")
     finally:
         relay.stop()
@@ -317,7 +287,7 @@ def test_end_to_end_200_events_over_4_partitions(
     assert Counter(f["id"] for _p, _e, f in entries) == Counter(ids)
     assert {p for p, _e, _f in entries} == set(range(PARTITIONS))
     assert all(r.delivered_at_ms is not None for r in outbox_rows(engine))
-    got = receipts(engine)
+    got = receipt_rows(engine)
     assert set(got) == set(ids)
     assert {r.outcome for r in got.values()} == {"applied"}
     assert effect_counts(engine) == Counter(ids)

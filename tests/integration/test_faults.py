@@ -9,17 +9,18 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 
 import pytest
 import redis
 from sqlalchemy import Engine, func, select
 
-from outbox_relay.producer import Producer
 from outbox_relay.shared import faults, keys
 from outbox_relay.shared.errors import ConfigError
 from outbox_relay.shared.schema import inbox, outbox
 from tests.conftest import REDIS_URL
+from tests.helpers import enqueue_numbered
 from torture import app
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -72,12 +73,9 @@ def _outbox(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]
     )
 
 
-def _enqueue(engine: Engine, prefix: str) -> None:
-    producer = Producer(source="faults-test", partitions=PARTITIONS, key_prefix=prefix)
-    with engine.begin() as conn:
-        for n in range(EVENTS):
-            producer.enqueue(conn, type="thing.done", stream="things", data={"n": n},
-                             event_id=f"f-{n:03d}")
+# EVENTS thing.done events f-000 … (tests.helpers.enqueue_numbered)
+_enqueue = partial(enqueue_numbered, first=0, count=EVENTS, source="faults-test",
+                   partitions=PARTITIONS, id_format="f-{n:03d}")
 
 
 def _stream_ids(client: redis.Redis, prefix: str) -> list[str]:

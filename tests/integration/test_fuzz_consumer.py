@@ -48,7 +48,7 @@ def _boom(conn: Connection, event: Event) -> None:
     raise Boom("always fails")
 
 
-def make_consumer(engine: Engine, client: redis.Redis, prefix: str) -> Consumer:
+def fuzz_consumer(engine: Engine, client: redis.Redis, prefix: str) -> Consumer:
     handlers = Handlers()
     handlers.register("fuzz.ok", _ok)
     handlers.register("fuzz.boom", _boom)
@@ -161,9 +161,10 @@ entries = st.lists(st.one_of(arbitrary, mutated, targeted, valid), min_size=1, m
 
 @pytest.fixture
 def consumer(engine: Engine, redis_client: redis.Redis, key_prefix: str) -> Consumer:
-    return make_consumer(engine, redis_client, key_prefix)
+    return fuzz_consumer(engine, redis_client, key_prefix)
 
 
+@pytest.mark.slow
 def test_malformed_entries_are_recorded_never_dropped(
     consumer: Consumer, engine: Engine, redis_client: redis.Redis, key_prefix: str
 ) -> None:

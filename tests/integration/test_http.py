@@ -2,39 +2,18 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
-import httpx
 import pytest
-from fastapi import FastAPI
 from sqlalchemy import Engine
 
 from outbox_relay.runs.http import create_app
 from outbox_relay.runs.store import RunStore
 from outbox_relay.shared import db
+from tests.helpers import assert_error, call
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("runs_tables")]
-
-
-def assert_error(response: httpx.Response, status: int, code: str) -> None:
-    assert response.status_code == status
-    body = response.json()
-    assert body == {"error": {"code": code, "message": body["error"]["message"]}}
-    assert "Traceback" not in response.text
-
-
-def call(app: FastAPI, method: str, url: str, **kwargs: Any) -> httpx.Response:
-    """One request through the ASGI app (the chunks of a generator body arrive one by one)."""
-
-    async def go() -> httpx.Response:
-        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
-        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
-            return await client.request(method, url, **kwargs)
-
-    return asyncio.run(go())
 
 
 async def chunks(size: int) -> AsyncIterator[bytes]:

@@ -4,25 +4,18 @@ handler after a failure, without changing any outcome."""
 from __future__ import annotations
 
 import pytest
-from sqlalchemy import Connection, Engine, select
+from sqlalchemy import Connection, Engine
 
 from outbox_relay.consumer import inbox
 from outbox_relay.consumer.handlers import Handlers
 from outbox_relay.shared.envelope import Event
-from outbox_relay.shared.schema import inbox as inbox_table
-from tests.helpers import create_effects, effect_counts, event, record_effect
+from tests.helpers import create_effects, effect_counts, event, receipt_outcomes, record_effect
 
 pytestmark = pytest.mark.integration
 
 
 def deliveries(events: list[Event]) -> list[inbox.Delivery]:
     return [inbox.Delivery("k", f"1-{i}", ev, 1) for i, ev in enumerate(events)]
-
-
-def receipts(engine: Engine) -> dict[str, str]:
-    with engine.connect() as conn:
-        rows = conn.execute(select(inbox_table.c.event_id, inbox_table.c.outcome))
-        return {event_id: outcome for event_id, outcome in rows}
 
 
 def test_handlers_apply_a_batch_in_one_pass(engine: Engine) -> None:
@@ -61,7 +54,7 @@ def test_a_failing_handler_fails_alone_and_drops_scheduled_work(
     assert [o.outcome for o in outcomes] == [inbox.APPLIED, inbox.FAILED, inbox.APPLIED]
     # Same end state as with a savepoint per handler: the failure's writes rolled back alone.
     assert effect_counts(engine) == {events[0].id: 1, events[2].id: 1}
-    assert receipts(engine) == {events[0].id: inbox.APPLIED, events[2].id: inbox.APPLIED}
+    assert receipt_outcomes(engine) == {events[0].id: inbox.APPLIED, events[2].id: inbox.APPLIED}
     # Callbacks of the rolled-back first pass are gone: one per applied event is left.
     assert len(handlers.take_after_commit({events[0].id, events[2].id})) == 2
 

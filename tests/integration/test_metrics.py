@@ -35,7 +35,7 @@ from outbox_relay.producer import Producer
 from outbox_relay.relay.daemon import Relay
 from outbox_relay.shared import db, keys
 from outbox_relay.shared.redis_conn import connect_redis
-from outbox_relay.shared.schema import inbox, outbox
+from outbox_relay.shared.schema import outbox
 from tests.conftest import PG_ADMIN_URL, REDIS_URL, pg_schema_url
 from tests.helpers import (
     GROUP,
@@ -44,6 +44,7 @@ from tests.helpers import (
     consumer_settings,
     enqueue_events,
     free_port,
+    receipt_counts,
     record_effect,
     relay_settings,
     wait_until,
@@ -117,14 +118,6 @@ def delivered(engine: Engine) -> int:
             outbox.c.delivered_at_ms.is_not(None))).scalar_one())
 
 
-def receipts(engine: Engine) -> dict[str, int]:
-    with engine.connect() as conn:
-        rows = conn.execute(select(inbox.c.outcome, func.count())
-                            .where(inbox.c.group_name == GROUP)
-                            .group_by(inbox.c.outcome)).all()
-    return {str(outcome): int(n) for outcome, n in rows}
-
-
 def enqueue_unknown_type(engine: Engine) -> None:
     """One event no handler is registered for: it ends ``dead`` (``unknown_type``)."""
     with engine.begin() as conn:
@@ -153,7 +146,7 @@ def test_scraped_numbers_match_the_database_and_redis(
             with running(consumer.run, consumer.stop):
                 during = scrape(relay_port.port)
                 assert 0 <= total(during, "outbox_relay_rows_delivered_total") <= n + 1
-                wait_until(lambda: sum(receipts(engine).values()) == n + 1, timeout=60,
+                wait_until(lambda: sum(receipt_counts(engine).values()) == n + 1, timeout=60,
                            what="every event claimed")
             # The consumer stopped: its gauges and counters hold still while compared. The
             # consumer can claim a batch before the relay marked it (the XADD comes first),
@@ -167,7 +160,7 @@ def test_scraped_numbers_match_the_database_and_redis(
             assert total(r, "outbox_relay_leases_held") == PARTITIONS
             assert total(r, "outbox_relay_lease_acquisitions_total") == PARTITIONS
 
-            got = receipts(engine)
+            got = receipt_counts(engine)
             assert total(c, "outbox_consumer_outcomes_total", outcome="applied",
                          type="thing.happened") == got["applied"] == n
             assert total(c, "outbox_consumer_outcomes_total", outcome="dead",
@@ -387,6 +380,7 @@ def proxied_pg() -> Iterator[tuple[Proxy, str]]:
         admin.dispose()
 
 
+@pytest.mark.postgresql
 def test_readyz_follows_the_database_away_and_back(
     proxied_pg: tuple[Proxy, str], redis_client: redis.Redis, key_prefix: str
 ) -> None:

@@ -9,7 +9,6 @@ import os
 import socket
 import struct
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,11 +19,10 @@ import redis
 from outbox_relay.shared import db
 from outbox_relay.shared.metrics_server import MAX_CONNECTIONS, REQUEST_TIMEOUT_S
 from tests.conftest import REDIS_URL
-from tests.helpers import free_port, wait_until
+from tests.helpers import OUTBOX, free_port, wait_until
 
 pytestmark = pytest.mark.integration
 
-OUTBOX = Path(sys.executable).with_name("outbox")
 HALF_SENT = b"GET /metrics HTTP/1.1\r\nHost: x\r\n"
 
 
@@ -91,6 +89,7 @@ def test_the_daemon_listens_on_loopback_by_default(
     assert listening_addresses(proc.pid, port) == {"0100007F"}  # 127.0.0.1, nothing else
 
 
+@pytest.mark.slow  # waits out the read timeouts
 def test_half_sent_requests_and_resets_cost_neither_threads_nor_tracebacks(
     daemon: tuple[subprocess.Popen[bytes], int, Path],
 ) -> None:

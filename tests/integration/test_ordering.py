@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Iterator
+from functools import partial
 from typing import Any, ClassVar
 
 import pytest
@@ -20,17 +21,17 @@ from outbox_relay.consumer.daemon import Consumer
 from outbox_relay.shared import keys
 from outbox_relay.shared.envelope import Event
 from outbox_relay.shared.errors import UnavailableError
-from outbox_relay.shared.schema import inbox as inbox_table
 from outbox_relay.shared.schema import inbox_heads
+from tests import helpers
 from tests.helpers import (
     GROUP,
     PARTITIONS,
-    consumer_settings,
     effect_counts,
     effects,
     event,
     key_of,
     pending_total,
+    receipts,
     record_effect,
     wait_until,
     xadd_event,
@@ -89,10 +90,8 @@ class App:
 
 
 
-def make_consumer(engine: Engine, client: redis.Redis, prefix: str, app: App,
-                  **settings: Any) -> Consumer:
-    settings.setdefault("claim_interval_ms", 60_000)  # pending passes only when a test says
-    return Consumer(consumer_settings(prefix, **settings), engine, client, app.handlers)
+# tests.helpers.make_consumer, with pending passes only when a test says (pending_pass)
+make_consumer = partial(helpers.make_consumer, claim_interval_ms=60_000)
 
 
 def pending_pass(consumer: Consumer) -> int:
@@ -103,13 +102,6 @@ def pending_pass(consumer: Consumer) -> int:
 def apply_order(engine: Engine) -> list[str]:
     with engine.connect() as conn:
         return list(conn.execute(select(effects.c.event_id).order_by(effects.c.n)).scalars())
-
-
-def outcomes(engine: Engine) -> dict[str, tuple[str, str | None]]:
-    with engine.connect() as conn:
-        rows = conn.execute(select(inbox_table.c.event_id, inbox_table.c.outcome,
-                                   inbox_table.c.reason).where(inbox_table.c.group_name == GROUP))
-        return {i: (o, r) for i, o, r in rows}
 
 
 def delivered(client: redis.Redis, prefix: str, ev: Event) -> int:
@@ -137,13 +129,13 @@ def test_a_failing_revision_holds_back_the_next_one_in_its_batch(
     assert consumer.run_once() == 2
 
     assert (consumer.stats.failed, consumer.stats.waiting) == (1, 1)
-    assert apply_order(effects_engine) == [] and outcomes(effects_engine) == {}
+    assert apply_order(effects_engine) == [] and receipts(effects_engine) == {}
     assert pending_total(redis_client, key_prefix) == 2  # neither is acknowledged
     assert delivered(redis_client, key_prefix, rev2) == 0  # waiting is not an attempt
 
     pending_pass(consumer)
     assert apply_order(effects_engine) == [rev1.id, rev2.id]
-    assert outcomes(effects_engine) == {rev1.id: ("applied", None), rev2.id: ("applied", None)}
+    assert receipts(effects_engine) == {rev1.id: ("applied", None), rev2.id: ("applied", None)}
     assert app.calls == {rev1.id: 2, rev2.id: 1}
     assert pending_total(redis_client, key_prefix) == 0 and letters(
         redis_client, key_prefix, "agg") == []
@@ -165,7 +157,7 @@ def test_a_failing_revision_holds_back_the_next_one_read_later(
 
     pending_pass(consumer)
     assert apply_order(effects_engine) == [rev1.id, rev2.id]
-    assert set(outcomes(effects_engine).values()) == {("applied", None)}
+    assert set(receipts(effects_engine).values()) == {("applied", None)}
     assert pending_total(redis_client, key_prefix) == 0
 
 
@@ -186,7 +178,7 @@ def test_waiting_never_counts_toward_max_deliveries(
 
     (letter,) = letters(redis_client, key_prefix, "agg")
     assert letter[b"id"] == rev1.id.encode() and letter[b"dlq.reason"] == b"max_deliveries"
-    assert outcomes(effects_engine) == {rev1.id: ("dead", "max_deliveries"),
+    assert receipts(effects_engine) == {rev1.id: ("dead", "max_deliveries"),
                                         rev2.id: ("applied", None)}
     assert consumer.stats.waiting == 3 and pending_total(redis_client, key_prefix) == 0
 
@@ -205,7 +197,7 @@ def test_two_types_at_one_revision_both_apply(
         xadd_event(redis_client, key_prefix, ev)
         consumer.run_once()
     evs = same_batch + later
-    assert outcomes(effects_engine) == {ev.id: ("applied", None) for ev in evs}
+    assert receipts(effects_engine) == {ev.id: ("applied", None) for ev in evs}
     assert effect_counts(effects_engine) == {ev.id: 1 for ev in evs}
     assert pending_total(redis_client, key_prefix) == 0
 
@@ -220,7 +212,7 @@ def test_latest_an_older_revision_is_superseded_and_acknowledged(
     consumer.run_once()
     xadd_event(redis_client, key_prefix, older)
     consumer.run_once()
-    assert outcomes(effects_engine) == {newer.id: ("applied", None),
+    assert receipts(effects_engine) == {newer.id: ("applied", None),
                                         older.id: ("superseded", None)}
     assert app.calls == {newer.id: 1}
     assert consumer.stats.superseded == 1 and consumer.stats.dead == 0
@@ -242,7 +234,7 @@ def test_a_latest_event_waits_behind_a_failing_strict_one_of_its_aggregate(
     assert (consumer.stats.failed, consumer.stats.waiting) == (1, 1)
     pending_pass(consumer)
     assert apply_order(effects_engine) == [strict1.id, latest2.id]
-    assert outcomes(effects_engine) == {strict1.id: ("applied", None),
+    assert receipts(effects_engine) == {strict1.id: ("applied", None),
                                         latest2.id: ("applied", None)}
     assert letters(redis_client, key_prefix, "mix") == []
 
@@ -304,7 +296,7 @@ def test_replay_of_an_out_of_order_letter_applies_it_and_removes_it_after_the_co
     remove = dead_letters.remove
 
     def checked_remove(client: redis.Redis, gone: dead_letters.DeadLetter) -> None:
-        seen_at_removal.append(outcomes(effects_engine)[older.id])  # read on another conn
+        seen_at_removal.append(receipts(effects_engine)[older.id])  # read on another conn
         remove(client, gone)
 
     monkeypatch.setattr(dead_letters, "remove", checked_remove)
@@ -338,7 +330,7 @@ def test_a_crash_before_the_letter_is_written_again_on_redelivery(
     with pytest.raises(UnavailableError):
         consumer.run_once()
     monkeypatch.undo()
-    assert outcomes(effects_engine)[older.id] == ("dead", "out_of_order")  # committed
+    assert receipts(effects_engine)[older.id] == ("dead", "out_of_order")  # committed
     assert letters(redis_client, key_prefix, "o") == []
     assert pending_total(redis_client, key_prefix) == 1
 
@@ -366,7 +358,7 @@ def test_a_bad_statement_fails_only_its_own_event(
 
     wait_until(lambda: pending_pass(consumer) >= 0
                and pending_total(redis_client, key_prefix) == 0, what="bad to be dead")
-    assert outcomes(effects_engine) == {good[0].id: ("applied", None), bad.id: (
+    assert receipts(effects_engine) == {good[0].id: ("applied", None), bad.id: (
         "dead", "max_deliveries"), good[1].id: ("applied", None)}
     assert [f[b"id"] for p in range(PARTITIONS) for f in letters_of(
         redis_client, key_prefix, p)] == [bad.id.encode()]  # no innocent event
@@ -427,7 +419,7 @@ def test_a_lost_connection_or_a_locked_sqlite_fails_the_whole_claim(
 
     with pytest.raises(UnavailableError):
         claim_with(effects_engine, handler, [event("u", 1), victim])
-    assert effect_counts(effects_engine) == {} and outcomes(effects_engine) == {}
+    assert effect_counts(effects_engine) == {} and receipts(effects_engine) == {}
 
 
 def test_claim_rules_on_the_redo_path(effects_engine: Engine) -> None:

@@ -19,7 +19,7 @@ from tests.conftest import REDIS_URL
 pytestmark = pytest.mark.integration
 
 
-def _enqueue(engine: Engine, producer: Producer, stream: str, n: int) -> None:
+def enqueue_one(engine: Engine, producer: Producer, stream: str, n: int) -> None:
     with engine.begin() as conn:
         producer.enqueue(conn, type="thing.done", stream=stream, data={"n": n},
                          aggregate_type="thing", aggregate_id=f"a{n}", revision=1)
@@ -30,14 +30,14 @@ def test_the_first_write_records_the_count_and_a_mismatch_is_refused_everywhere(
 ) -> None:
     stream = f"pc{key_prefix[-6:]}"
     eight = Producer(source="t", partitions=8, key_prefix=key_prefix)
-    _enqueue(engine, eight, stream, 1)
+    enqueue_one(engine, eight, stream, 1)
     with engine.connect() as conn:
         assert conn.execute(select(streams.c.partitions)
                             .where(streams.c.stream == stream)).scalar_one() == 8
 
     four = Producer(source="t", partitions=4, key_prefix=key_prefix)
     with pytest.raises(ConfigError) as caught:
-        _enqueue(engine, four, stream, 2)
+        enqueue_one(engine, four, stream, 2)
     assert caught.value.code == "invalid_config"
     assert f"OUTBOX_PARTITIONS=4, but the database records {stream} has 8" in caught.value.message
     with engine.connect() as conn:  # the refused event's transaction wrote nothing
@@ -57,6 +57,6 @@ def test_the_first_write_records_the_count_and_a_mismatch_is_refused_everywhere(
     with pytest.raises(ConfigError, match="this consumer is configured"):
         consumer.run_once()
     # The right count runs (and another stream, with its own count, does not disturb it).
-    _enqueue(engine, eight, stream, 3)
+    enqueue_one(engine, eight, stream, 3)
     Relay(RelaySettings(database_url=url, redis_url=REDIS_URL, key_prefix=key_prefix,
                         partitions=8, node_id="pc8"), engine, redis_client).run(until_idle=True)

@@ -4,6 +4,7 @@ done since the previous line, the total, and what still waits. Both databases, r
 from __future__ import annotations
 
 import logging
+from functools import partial
 
 import pytest
 import redis
@@ -13,23 +14,25 @@ from outbox_relay.cli import options
 from outbox_relay.cli.main import build_parser
 from outbox_relay.consumer.daemon import Consumer
 from outbox_relay.consumer.handlers import Handlers
-from outbox_relay.producer import Producer
 from outbox_relay.relay.daemon import Relay
 from outbox_relay.shared.envelope import Event
 from outbox_relay.shared.progress import Progress, age_text
 from outbox_relay.shared.settings import RelaySettings
 from tests.conftest import REDIS_URL
-from tests.helpers import consumer_settings, create_effects, event, record_effect, xadd_event
+from tests.helpers import (
+    consumer_settings,
+    create_effects,
+    enqueue_numbered,
+    event,
+    record_effect,
+    xadd_event,
+)
 
 pytestmark = pytest.mark.integration
 
 
-def _enqueue(engine: Engine, prefix: str, first: int, count: int) -> None:
-    producer = Producer(source="progress-test", partitions=2, key_prefix=prefix)
-    with engine.begin() as conn:
-        for n in range(first, first + count):
-            producer.enqueue(conn, type="thing.done", stream="things", data={"n": n},
-                             aggregate_id=f"a{n % 5}")
+# thing.done events over aggregates a0 … a4 (tests.helpers.enqueue_numbered)
+_enqueue = partial(enqueue_numbered, source="progress-test", partitions=2, aggregates=5)
 
 
 def test_the_relay_line_counts_deliveries_since_the_last_line_and_the_backlog(

@@ -7,7 +7,6 @@ import json
 import logging
 import os
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -33,6 +32,7 @@ from outbox_relay.shared.settings import RetentionSettings
 from tests.conftest import REDIS_URL
 from tests.helpers import (
     GROUP,
+    OUTBOX,
     STREAM,
     consumer_settings,
     event,
@@ -45,7 +45,6 @@ from tests.helpers import partition_of as partition_for
 pytestmark = pytest.mark.integration
 
 DAY_MS = 86_400_000
-OUTBOX = Path(sys.executable).with_name("outbox")
 
 
 # -- helpers -----------------------------------------------------------------------------------
@@ -556,7 +555,6 @@ def test_pruning_survives_a_long_dead_letter_stream(
     result = InboxPruner(engine, redis_client, 86400, batch=10).prune()
     assert (result.receipts, result.kept_letter) == (1, 1)
     assert receipt_ids(engine) == {"mine"}
-
 
 
 # -- what is still needed stays ----------------------------------------------------------------

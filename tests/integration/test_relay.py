@@ -14,7 +14,7 @@ from typing import Any, cast
 
 import pytest
 import redis
-from sqlalchemy import Engine, event, select, update
+from sqlalchemy import Engine, event, update
 
 from outbox_relay.producer import Producer
 from outbox_relay.relay import append, outgoing, store
@@ -29,7 +29,13 @@ from tests.conftest import REDIS_URL
 from tests.helpers import (
     PARTITIONS,
     STREAM,
+    TTL,
+    LostReply,
+    assert_all_marked,
+    assert_each_once,
     enqueue_events,
+    expire_lease,
+    lease_owners,
     outbox_rows,
     partition_of,
     private_redis,
@@ -40,37 +46,6 @@ from tests.helpers import (
 )
 
 pytestmark = pytest.mark.integration
-
-TTL = 10_000
-
-
-def assert_each_once(client: redis.Redis, prefix: str, event_ids: list[str]) -> None:
-    """Every id exactly once in the streams, nothing else there."""
-    seen = Counter(fields["id"] for _p, _id, fields in stream_entries(client, prefix))
-    assert seen == Counter(event_ids)
-
-
-def assert_all_marked(engine: Engine, client: redis.Redis, prefix: str) -> None:
-    """Each row is delivered, and its stored entry id is where Redis holds its event."""
-    by_id = {fields["id"]: (p, entry_id) for p, entry_id, fields in stream_entries(client, prefix)}
-    for row in outbox_rows(engine):
-        assert row.delivered_at_ms is not None, row.event_id
-        assert by_id[row.event_id] == (row.partition, row.entry_id)
-
-
-def lease_owners(engine: Engine) -> dict[int, str | None]:
-    with engine.connect() as conn:
-        return dict(conn.execute(select(relay_leases.c.partition, relay_leases.c.owner)).all())
-
-
-def expire_lease(engine: Engine, partition: int) -> None:
-    """What the clock does to the lease of a relay that stalls past its TTL."""
-    with engine.begin() as conn:
-        conn.execute(
-            update(relay_leases).where(relay_leases.c.partition == partition)
-            .values(expires_at_ms=0)
-        )
-
 
 def let_die(engine: Engine, node_id: str) -> None:
     """What the clock does to a dead relay: its heartbeat and all its leases run out."""
@@ -214,37 +189,6 @@ def test_relay_killed_between_xadd_and_mark(
     assert stats.delivered == 24
     assert_each_once(redis_client, key_prefix, ids)
     assert_all_marked(engine, redis_client, key_prefix)
-
-
-class LostReply:
-    """A Redis client whose next ``n`` append calls (``EVALSHA``, or pipelines) really run,
-    then report a timeout: the outcome a relay sees when the reply is lost."""
-
-    def __init__(self, real: redis.Redis, n: int = 1) -> None:
-        self.real, self.remaining = real, n
-
-    def evalsha(self, *args: Any) -> Any:
-        answer = self.real.evalsha(*args)
-        if self.remaining > 0:
-            self.remaining -= 1
-            raise redis.TimeoutError("Timeout reading from socket")
-        return answer
-
-    def pipeline(self, transaction: bool = True) -> Any:
-        pipe = self.real.pipeline(transaction=transaction)
-        if self.remaining > 0:
-            self.remaining -= 1
-            execute = pipe.execute
-
-            def execute_then_time_out(raise_on_error: bool = True) -> Any:
-                execute(raise_on_error=raise_on_error)
-                raise redis.TimeoutError("Timeout reading from socket")
-
-            pipe.execute = execute_then_time_out  # type: ignore[method-assign]
-        return pipe
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.real, name)
 
 
 def test_timeout_with_unknown_outcome_causes_no_duplicate(

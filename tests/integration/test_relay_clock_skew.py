@@ -26,12 +26,14 @@ from outbox_relay.shared.errors import LeaseLostError
 from tests.helpers import (
     PARTITIONS,
     STREAM,
+    assert_all_marked,
+    assert_each_once,
     enqueue_events,
+    lease_owners,
     relay_settings,
     undelivered,
     wait_until,
 )
-from tests.integration.test_relay import assert_all_marked, assert_each_once, lease_owners
 
 pytestmark = pytest.mark.integration
 

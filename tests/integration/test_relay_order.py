@@ -27,7 +27,11 @@ from tests.conftest import REDIS_URL
 from tests.helpers import (
     PARTITIONS,
     STREAM,
+    TTL,
+    LostReply,
+    assert_each_once,
     enqueue_events,
+    expire_lease,
     outbox_rows,
     partition_of,
     private_redis,
@@ -36,7 +40,6 @@ from tests.helpers import (
     undelivered,
     wait_until,
 )
-from tests.integration.test_relay import TTL, LostReply, assert_each_once, expire_lease
 
 pytestmark = pytest.mark.integration
 

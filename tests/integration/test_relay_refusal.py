@@ -39,20 +39,21 @@ from tests.helpers import (
     GROUP,
     PARTITIONS,
     STREAM,
+    Recorder,
     consumer_settings,
     dead_letters,
+    documented_acl,
     effect_counts,
     enqueue_events,
     outbox_rows,
     partition_of,
     private_redis,
     relay_settings,
+    rule_words,
     stream_entries,
     undelivered,
     wait_until,
 )
-from tests.integration.test_consumer import Recorder
-from tests.integration.test_security import documented_acl, rule_words
 
 pytestmark = pytest.mark.integration
 
@@ -75,6 +76,7 @@ def foreign_letters(client: redis.Redis, prefix: str) -> list[dict[bytes, bytes]
             if d.get(b"dlq.reason") == b"foreign_entry"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("foreign_id", [MAX_ID, "99999999999999-0"],
                          ids=["max-id", "far-future"])
 def test_a_foreign_entry_is_dead_lettered_and_the_partition_resumes(
@@ -127,6 +129,7 @@ def test_a_foreign_entry_is_dead_lettered_and_the_partition_resumes(
     assert len(pending) == 6 and all(p["message_id"].decode() != foreign_id for p in pending)
 
 
+@pytest.mark.slow
 def test_a_bare_foreign_last_id_out_of_reach_is_set_back(
     engine: Engine, redis_client: redis.Redis, key_prefix: str
 ) -> None:
@@ -336,6 +339,7 @@ def sample(registry: CollectorRegistry, stream: str, partition: int, reason: str
 
 
 
+@pytest.mark.slow
 def test_the_foreign_move_needs_no_more_than_the_documented_relay_acl(
     engine: Engine, key_prefix: str, tmp_path: Path
 ) -> None:

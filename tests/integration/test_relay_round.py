@@ -12,8 +12,16 @@ from sqlalchemy import Engine, event
 from outbox_relay.relay import append, store
 from outbox_relay.relay.daemon import Relay
 from outbox_relay.shared.errors import LeaseLostError
-from tests.helpers import PARTITIONS, enqueue_events, outbox_rows, relay_settings, undelivered
-from tests.integration.test_relay import assert_all_marked, assert_each_once, expire_lease
+from tests.helpers import (
+    PARTITIONS,
+    assert_all_marked,
+    assert_each_once,
+    enqueue_events,
+    expire_lease,
+    outbox_rows,
+    relay_settings,
+    undelivered,
+)
 
 pytestmark = pytest.mark.integration
 

@@ -10,81 +10,52 @@ import pytest
 import redis
 from sqlalchemy import Engine, select
 
-from outbox_relay.producer import Producer
-from outbox_relay.relay import entry_ids, repair, store
+from outbox_relay.relay import repair, store
 from outbox_relay.relay.daemon import Relay
 from outbox_relay.runs.schema import runs
 from outbox_relay.shared import keys
 from outbox_relay.shared.schema import outbox
-from outbox_relay.shared.settings import RelaySettings
-from tests.conftest import REDIS_URL
+from tests.helpers import (
+    REPAIR_PARTITIONS,
+    delivered_entries,
+    repair_enqueue,
+    repair_settings,
+    stream_contents,
+)
 
 pytestmark = pytest.mark.integration
 
-PARTITIONS = 2
-
-
-def _settings(engine: Engine, prefix: str) -> RelaySettings:
-    return RelaySettings(
-        database_url=engine.url.render_as_string(hide_password=False),
-        redis_url=REDIS_URL,
-        key_prefix=prefix,
-        partitions=PARTITIONS,
-        node_id="repair-test",
-    )
-
-
-def _enqueue(engine: Engine, prefix: str, first: int, count: int) -> None:
-    producer = Producer(source="repair-test", partitions=PARTITIONS, key_prefix=prefix)
-    with engine.begin() as conn:
-        for n in range(first, first + count):
-            producer.enqueue(conn, type="thing.done", stream="things", data={"n": n},
-                             event_id=f"evt-{n:04d}")
+PARTITIONS = REPAIR_PARTITIONS
 
 
 def _relay(engine: Engine, client: redis.Redis, prefix: str) -> Relay:
-    relay = Relay(_settings(engine, prefix), engine, client)
+    relay = Relay(repair_settings(engine, prefix), engine, client)
     relay.run(until_idle=True)
     return relay
 
 
-def _expected(engine: Engine, partition: int) -> list[tuple[str, str]]:
-    with engine.connect() as conn:
-        rows = conn.execute(
-            select(outbox.c.entry_id, outbox.c.event_id).where(
-                outbox.c.stream == "things", outbox.c.partition == partition,
-                outbox.c.delivered_at_ms.is_not(None),
-            )
-        ).all()
-    return sorted(((e, i) for e, i in rows), key=lambda t: entry_ids.parse(t[0]))
-
-
-def _in_stream(client: redis.Redis, prefix: str, partition: int) -> list[tuple[str, str]]:
-    key = keys.stream_key(prefix, "things", partition)
-    return [(i.decode(), f[b"id"].decode()) for i, f in client.xrange(key)]
-
-
 def _assert_in_step(engine: Engine, client: redis.Redis, prefix: str) -> None:
     for p in range(PARTITIONS):
-        assert _in_stream(client, prefix, p) == _expected(engine, p)
+        assert stream_contents(client, prefix, p) == delivered_entries(engine, p)
 
 
 def test_total_loss_is_refilled_with_original_ids(
     engine: Engine, redis_client: redis.Redis, key_prefix: str
 ) -> None:
-    _enqueue(engine, key_prefix, 0, 30)
+    repair_enqueue(engine, key_prefix, 0, 30)
     _relay(engine, redis_client, key_prefix)
-    before = [_in_stream(redis_client, key_prefix, p) for p in range(PARTITIONS)]
+    before = [stream_contents(redis_client, key_prefix, p) for p in range(PARTITIONS)]
     assert sum(map(len, before)) == 30
     for p in range(PARTITIONS):
         redis_client.delete(keys.stream_key(key_prefix, "things", p))
 
     relay = _relay(engine, redis_client, key_prefix)
 
-    assert [_in_stream(redis_client, key_prefix, p) for p in range(PARTITIONS)] == before
+    assert [stream_contents(redis_client, key_prefix, p) for p in range(PARTITIONS)] == before
     assert relay.repairer.stats.repaired_entries == 30
     assert relay.repairer.stats.rebuilds == 0
-    again = repair.Repairer(_settings(engine, key_prefix), engine, redis_client, "repair-test")
+    again = repair.Repairer(repair_settings(engine, key_prefix), engine, redis_client,
+                            "repair-test")
     assert again.run(_take_leases(engine)) == 0
 
 
@@ -98,7 +69,7 @@ def _take_leases(engine: Engine) -> dict[int, int]:
 def test_rollback_to_a_prefix_refills_the_tail_and_keeps_groups(
     engine: Engine, redis_client: redis.Redis, key_prefix: str
 ) -> None:
-    _enqueue(engine, key_prefix, 0, 40)
+    repair_enqueue(engine, key_prefix, 0, 40)
     _relay(engine, redis_client, key_prefix)
     key = keys.stream_key(key_prefix, "things", 0)
     entries = redis_client.xrange(key)
@@ -119,20 +90,21 @@ def test_rollback_to_a_prefix_refills_the_tail_and_keeps_groups(
 def test_loss_followed_by_newer_appends_is_rebuilt_without_duplicates(
     engine: Engine, redis_client: redis.Redis, key_prefix: str
 ) -> None:
-    _enqueue(engine, key_prefix, 0, 30)
+    repair_enqueue(engine, key_prefix, 0, 30)
     _relay(engine, redis_client, key_prefix)
     for p in range(PARTITIONS):
         redis_client.delete(keys.stream_key(key_prefix, "things", p))
-    _enqueue(engine, key_prefix, 30, 10)
-    relay = Relay(_settings(engine, key_prefix), engine, redis_client)
+    repair_enqueue(engine, key_prefix, 30, 10)
+    relay = Relay(repair_settings(engine, key_prefix), engine, redis_client)
     # A writer that never checked the stream (no floors: an older relay, another tool) appends
     # above the hole; today's relay refuses that (test_relay_order: BEHIND) and repairs first.
     relay.repairer.maybe_run = lambda leases: 0  # type: ignore[method-assign]
     relay.run(until_idle=True)
-    assert sum(len(_in_stream(redis_client, key_prefix, p)) for p in range(PARTITIONS)) == 10
+    assert sum(len(stream_contents(redis_client, key_prefix, p)) for p in range(PARTITIONS)) == 10
 
     leases = _take_leases(engine)
-    fixer = repair.Repairer(_settings(engine, key_prefix), engine, redis_client, "repair-test")
+    fixer = repair.Repairer(repair_settings(engine, key_prefix), engine, redis_client,
+                            "repair-test")
     assert fixer.run(leases) == 30  # the lost entries; the 10 newer ones stay where they are
 
     _assert_in_step(engine, redis_client, key_prefix)
@@ -143,9 +115,9 @@ def test_loss_followed_by_newer_appends_is_rebuilt_without_duplicates(
 def test_refill_refuses_ids_at_or_below_the_top(
     engine: Engine, redis_client: redis.Redis, key_prefix: str
 ) -> None:
-    _enqueue(engine, key_prefix, 0, 5)
+    repair_enqueue(engine, key_prefix, 0, 5)
     _relay(engine, redis_client, key_prefix)
-    p = next(p for p in range(PARTITIONS) if _expected(engine, p))
+    p = next(p for p in range(PARTITIONS) if delivered_entries(engine, p))
     rows = store.delivered_rows(engine, "things", p)
     key = keys.stream_key(key_prefix, "things", p)
     finding = repair.compare(engine, redis_client, key_prefix, "things", p, len(rows))
@@ -163,11 +135,11 @@ def test_reconcile_repairs_a_lost_stream_and_resumes_a_stuck_run(
     from outbox_relay.cli import reconcile
     from outbox_relay.runs.store import store_for
 
-    settings = _settings(engine, key_prefix)
+    settings = repair_settings(engine, key_prefix)
     run_store = store_for(settings)
     with engine.begin() as conn:
         run_store.create(conn, "run-stuck", {"request": {}})
-    _enqueue(engine, key_prefix, 0, 10)
+    repair_enqueue(engine, key_prefix, 0, 10)
     _relay(engine, redis_client, key_prefix)
     for p in range(PARTITIONS):
         redis_client.delete(keys.stream_key(key_prefix, "things", p))

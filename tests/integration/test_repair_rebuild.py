@@ -18,7 +18,12 @@ from outbox_relay.relay.daemon import Relay
 from outbox_relay.shared import keys
 from outbox_relay.shared.errors import LeaseLostError
 from outbox_relay.shared.schema import relay_leases
-from tests.integration.test_repair import _enqueue, _expected, _in_stream, _settings
+from tests.helpers import (
+    delivered_entries,
+    repair_enqueue,
+    repair_settings,
+    stream_contents,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -34,9 +39,9 @@ def _lose_the_middle(
 ) -> tuple[int, str, list[Any]]:
     """Relay 30 events, keep the first ``kept`` entries of the fullest partition, append one
     newer entry above the old top (a relay after the failover): ``(partition, key, entries)``."""
-    _enqueue(engine, prefix, 0, 30)
-    Relay(_settings(engine, prefix), engine, client).run(until_idle=True)
-    p = max((0, 1), key=lambda q: len(_expected(engine, q)))
+    repair_enqueue(engine, prefix, 0, 30)
+    Relay(repair_settings(engine, prefix), engine, client).run(until_idle=True)
+    p = max((0, 1), key=lambda q: len(delivered_entries(engine, q)))
     key = keys.stream_key(prefix, "things", p)
     entries = client.xrange(key)
     client.delete(key)
@@ -156,21 +161,22 @@ def _take_lease_after_expiry(engine: Engine, partition: int) -> int:
 def test_fenced_out_refill_writes_nothing(
     engine: Engine, redis_client: redis.Redis, key_prefix: str
 ) -> None:
-    _enqueue(engine, key_prefix, 0, 10)
-    Relay(_settings(engine, key_prefix), engine, redis_client).run(until_idle=True)
-    p = max((0, 1), key=lambda q: len(_expected(engine, q)))
+    repair_enqueue(engine, key_prefix, 0, 10)
+    Relay(repair_settings(engine, key_prefix), engine, redis_client).run(until_idle=True)
+    p = max((0, 1), key=lambda q: len(delivered_entries(engine, q)))
     key = keys.stream_key(key_prefix, "things", p)
     redis_client.delete(key)
     epoch = _take_lease(engine, p)
     redis_client.set(keys.fence_key(key_prefix, "things", p), epoch + 1)
     finding = repair.compare(engine, redis_client, key_prefix, "things", p,
-                             len(_expected(engine, p)))
+                             len(delivered_entries(engine, p)))
 
     with pytest.raises(LeaseLostError):
         repair.repair(engine, redis_client, finding, epoch=epoch)
     assert not redis_client.exists(key)
 
-    fixer = repair.Repairer(_settings(engine, key_prefix), engine, redis_client, "rebuild-test")
+    fixer = repair.Repairer(repair_settings(engine, key_prefix), engine, redis_client,
+                            "rebuild-test")
     assert fixer.run({p: epoch}) == 0
     assert fixer.stats.fenced == 1
 
@@ -180,7 +186,7 @@ def test_large_history_goes_back_in_order_in_chunks(
     engine: Engine, redis_client: redis.Redis, key_prefix: str,
     monkeypatch: pytest.MonkeyPatch, how: str,
 ) -> None:
-    settings = _settings(engine, key_prefix).model_copy(update={"partitions": 1})
+    settings = repair_settings(engine, key_prefix).model_copy(update={"partitions": 1})
     from outbox_relay.producer import Producer
 
     producer = Producer(source="rebuild-test", partitions=1, key_prefix=key_prefix)
@@ -190,7 +196,7 @@ def test_large_history_goes_back_in_order_in_chunks(
                              event_id=f"evt-{n:05d}")
     Relay(settings, engine, redis_client).run(until_idle=True)
     key = keys.stream_key(key_prefix, "things", 0)
-    expected = _expected(engine, 0)
+    expected = delivered_entries(engine, 0)
     assert len(expected) == 5000
     redis_client.delete(key)
     if how == "rebuild":  # a newer entry arrived after the loss: the rest goes in below it
@@ -208,7 +214,7 @@ def test_large_history_goes_back_in_order_in_chunks(
 
     assert _repair(engine, redis_client, key_prefix, 0, chunk=500) == (how, 5000)
 
-    stream = _in_stream(redis_client, key_prefix, 0)
+    stream = stream_contents(redis_client, key_prefix, 0)
     assert stream[:5000] == expected  # in id order, each event once
     assert len({event_id for _, event_id in stream}) == len(stream)
     assert calls == [500] * 10 + ([1] if how == "rebuild" else [])

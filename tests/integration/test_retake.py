@@ -27,7 +27,7 @@ from outbox_relay.consumer.daemon import Consumer
 from outbox_relay.consumer.read_states import DRAINING, READABLE
 from outbox_relay.shared import keys
 from outbox_relay.shared.envelope import Event
-from outbox_relay.shared.schema import consumer_leases, consumer_nodes, inbox
+from outbox_relay.shared.schema import consumer_leases, consumer_nodes
 from tests.helpers import (
     GROUP,
     PARTITIONS,
@@ -38,6 +38,7 @@ from tests.helpers import (
     event,
     partition_of,
     pending_total,
+    receipts,
     record_effect,
     xadd_event,
 )
@@ -103,13 +104,6 @@ def aggregate_on(partition: int, n: int = 0) -> str:
 def applied(engine: Engine) -> list[str]:
     with engine.connect() as conn:
         return list(conn.execute(select(effects.c.event_id).order_by(effects.c.n)).scalars())
-
-
-def receipts(engine: Engine) -> dict[str, tuple[str, str | None]]:
-    with engine.connect() as conn:
-        rows = conn.execute(select(inbox.c.event_id, inbox.c.outcome, inbox.c.reason)
-                            .where(inbox.c.group_name == GROUP))
-        return {r.event_id: (r.outcome, r.reason) for r in rows}
 
 
 def set_node(engine: Engine, name: str, expires_at_ms: int) -> None:

@@ -14,7 +14,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -42,13 +41,13 @@ from outbox_relay.shared.redis_conn import connect_redis, translate_redis_errors
 from outbox_relay.shared.schema import inbox
 from outbox_relay.shared.settings import ConsumerSettings, RelaySettings
 from tests.conftest import PG_ADMIN_URL, pg_schema_url
+from tests.helpers import documented_acl, free_port, make_certificates, rule_words
 
 DEMO_APP = "outbox_relay.cli.demo_app:handlers"
 
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
-DOC = ROOT / "docs" / "security.md"
 SECRET = "Zq7-S3cr3t-w0rd"  # part of every password below; must never be printed
 ADMIN_PW = f"admin-{SECRET}"
 # Commands of the test's own admin connection and of connection set-up, not of the roles.
@@ -56,44 +55,9 @@ NOT_A_ROLE = {"info", "config|resetstat", "acl|log", "acl|setuser", "auth", "hel
               "client|setinfo"}
 
 
-def documented_acl() -> dict[str, str]:
-    """``{role: rules}`` from the ``user outbox-<role> …`` lines of docs/security.md."""
-    found = re.findall(r"^user outbox-(\w+) (.+)$", DOC.read_text(), flags=re.MULTILINE)
-    return dict(found)
-
-
-def rule_words(rules: str) -> list[str]:
-    """The ACL words of ``rules``; a selector ``(~k:* +cmd ...)`` is one word."""
-    return re.findall(r"\([^)]*\)|\S+", rules)
-
-
 def allowed_commands(rules: str) -> set[str]:
     words = " ".join(w.strip("()") for w in rule_words(rules)).split()
     return {r[1:] for r in words if r.startswith("+") and not r.startswith("+@")}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def make_certificates(folder: Path) -> dict[str, Path]:
-    """A throwaway CA, a server certificate for 127.0.0.1 and a client certificate."""
-    def run(*args: str) -> None:
-        subprocess.run(["openssl", *args], cwd=folder, check=True, capture_output=True)
-
-    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
-    run("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "2",
-        "-subj", "/CN=outbox-test-ca")
-    (folder / "san.cnf").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
-    for name in ("server", "client"):
-        run("req", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr",
-            "-subj", f"/CN=outbox-test-{name}")
-        run("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
-            "-CAcreateserial", "-out", f"{name}.pem", "-days", "2", "-extfile", "san.cnf")
-    return {n: folder / n for n in ("ca.pem", "server.pem", "server.key", "client.pem",
-                                    "client.key")}
 
 
 @dataclass
@@ -517,6 +481,8 @@ def run_inline(monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str
 
 
 @pytest.mark.acceptance
+@pytest.mark.postgresql
+@pytest.mark.slow  # every daemon, the demo and the CLI as subprocesses: tens of seconds
 def test_secrets_never_reach_any_output(
     private_redis: PrivateRedis, pg_secret_url: str, tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str],

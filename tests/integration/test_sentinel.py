@@ -38,7 +38,7 @@ from tests.helpers import (
 )
 from torture.redis_sets import LocalSentinelSet, TopologyUnsupported
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.torture]  # starts a Sentinel set
 
 @pytest.fixture
 def sentinel_set(tmp_path: Path) -> Iterator[LocalSentinelSet]:

@@ -44,7 +44,8 @@ def handlers() -> Handlers:
     return registry
 
 
-@pytest.fixture(params=list(BACKENDS))
+@pytest.fixture(params=[pytest.param(name, marks=pytest.mark.postgresql)
+                        if name.startswith("postgresql") else name for name in BACKENDS])
 def backend(request: pytest.FixtureRequest) -> tuple[str | None, str | None]:
     return BACKENDS[request.param]
 

@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
-from pathlib import Path
+from functools import partial
 
 import pytest
 import redis
@@ -19,7 +18,6 @@ from outbox_relay.consumer import dead_letters, streams
 from outbox_relay.consumer.daemon import Consumer
 from outbox_relay.consumer.handlers import Handlers
 from outbox_relay.consumer.prune import InboxPruner
-from outbox_relay.producer import Producer
 from outbox_relay.relay import entry_ids, store
 from outbox_relay.relay.daemon import Relay
 from outbox_relay.shared import keys
@@ -28,11 +26,11 @@ from outbox_relay.shared.redis_conn import connect_redis
 from outbox_relay.shared.schema import consumer_retries, inbox, outbox, stream_groups
 from outbox_relay.shared.settings import ConsumerSettings, RelaySettings
 from tests.conftest import REDIS_URL
+from tests.helpers import OUTBOX, enqueue_numbered
 
 pytestmark = pytest.mark.integration
 
 STREAM = "things"
-OUTBOX = Path(sys.executable).with_name("outbox")
 
 
 def _settings(engine: Engine, prefix: str, **extra: object) -> RelaySettings:
@@ -45,12 +43,9 @@ def _settings(engine: Engine, prefix: str, **extra: object) -> RelaySettings:
     return RelaySettings(**values)  # type: ignore[arg-type]
 
 
-def _enqueue(engine: Engine, prefix: str, first: int, count: int) -> None:
-    producer = Producer(source="trim-test", partitions=1, key_prefix=prefix)
-    with engine.begin() as conn:
-        for n in range(first, first + count):
-            producer.enqueue(conn, type="thing.done", stream=STREAM, data={"n": n},
-                             event_id=f"evt-{n:05d}")
+# thing.done events evt-00000 … on one partition (tests.helpers.enqueue_numbered)
+_enqueue = partial(enqueue_numbered, source="trim-test", partitions=1, stream=STREAM,
+                   id_format="evt-{n:05d}")
 
 
 def _relay(engine: Engine, client: redis.Redis, prefix: str, **extra: object) -> Relay:

@@ -19,6 +19,7 @@ from outbox_relay.consumer.handlers import Handlers
 from outbox_relay.shared.envelope import Event
 from tests.conftest import REDIS_URL
 from tests.helpers import (
+    OUTBOX,
     consumer_settings,
     create_effects,
     effect_counts,
@@ -32,7 +33,6 @@ from tests.helpers import (
 pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
-OUTBOX = Path(sys.executable).with_name("outbox")
 
 
 def test_until_idle_waits_for_retries_then_stops_with_everything_applied(

@@ -47,6 +47,7 @@ common = settings(max_examples=60, deadline=None,
                   suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
+@pytest.mark.slow  # 60 examples, each a CLI run: seconds
 @common
 @given(password=passwords())
 @example(password=f"pa/{MARKERS[0]}@{MARKERS[1]}")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,6 +11,7 @@ import redis
 
 from outbox_relay.shared.errors import CannotConnectError, UnavailableError
 from outbox_relay.shared.redis_conn import connect_redis, translate_redis_errors
+from tests.helpers import free_port
 from tests.not_redis import not_redis_server
 
 
@@ -44,9 +44,7 @@ def test_other_errors_are_not_swallowed() -> None:
 @pytest.fixture
 def closed_port() -> int:
     """A loopback port nobody listens on."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_port()
 
 
 @pytest.fixture
