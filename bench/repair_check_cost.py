@@ -1,7 +1,8 @@
 """Cost of the relay's periodic repair check count as the outbox grows (issue 10).
 
 Before: one grouped ``COUNT`` over every delivered row of the relay's partitions, every 5 s.
-After: one index range per known stream, from its trim floor up (``relay.store.delivered_counts``).
+After: one index range per known stream, from its trim floor up
+(``relay.repair_store.delivered_counts``).
 Fills a scratch PostgreSQL schema with ``--rows`` delivered rows (``--above`` of them above
 the trim floor, i.e. still in the stream) and times both queries, best of ``--runs``.
 
@@ -16,7 +17,7 @@ import uuid
 
 from sqlalchemy import func, select, text
 
-from outbox_relay.relay import store
+from outbox_relay.relay import repair_store
 from outbox_relay.shared import db
 from outbox_relay.shared.schema import outbox
 
@@ -56,14 +57,14 @@ def main() -> None:
                              .group_by(outbox.c.stream, outbox.c.partition)).all()
 
         def new() -> None:
-            store.delivered_counts(engine, [0, 1, 2, 3])
+            repair_store.delivered_counts(engine, [0, 1, 2, 3])
 
         for name, fn in (("before: grouped count over the outbox", old),
                          ("after: index range above the trim floor", new)):
             best = min(_timed(fn) for _ in range(args.runs))
             print(f"{name:<42} {best * 1000:9.2f} ms  ({args.rows:,} delivered rows, "
                   f"{args.above:,} above the floor)")
-        print("counts:", store.delivered_counts(engine, [0]))
+        print("counts:", repair_store.delivered_counts(engine, [0]))
     finally:
         engine.dispose()
         with admin.begin() as conn:

@@ -220,7 +220,7 @@ def pending_total(client: redis.Redis, key: str) -> int:
 def lag_total(client: redis.Redis, key: str) -> int:
     """Entries not yet read by some group (a missing group counts as the whole stream),
     counted exactly: the entries above each group's last-delivered id (``XINFO GROUPS``' lag
-    can stay wrong after a failover, see :func:`outbox_relay.consumer.streams.unread`)."""
+    can stay wrong after a failover, see :func:`outbox_relay.consumer.group_status.unread`)."""
     if not client.exists(key):
         return 0
     groups = client.xinfo_groups(key)

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from sqlalchemy import Engine, event, select
 
-from outbox_relay.consumer import inbox
+from outbox_relay.consumer import claim_writes, inbox
 from outbox_relay.consumer.handlers import Handlers
 from outbox_relay.shared import keys
 from outbox_relay.shared.db import is_postgres
@@ -73,5 +73,5 @@ def test_the_heads_upsert_raises_a_head_and_never_lowers_it(engine: Engine) -> N
                             ({"a": 3, "b": 2}, {"a": 5, "b": 2}),
                             ({"a": 7}, {"a": 7, "b": 2})]:
         with engine.begin() as conn:
-            inbox._upsert_heads(conn, "g", {("t", i): r for i, r in given.items()})
+            claim_writes._upsert_heads(conn, "g", {("t", i): r for i, r in given.items()})
         assert heads() == expected

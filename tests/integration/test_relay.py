@@ -19,6 +19,7 @@ from sqlalchemy import Engine, event, update
 from outbox_relay.producer import Producer
 from outbox_relay.relay import append, outgoing, store
 from outbox_relay.relay.daemon import Relay
+from outbox_relay.relay.leases import acquire_leases, release_leases
 from outbox_relay.shared import keys
 from outbox_relay.shared.db import now_ms
 from outbox_relay.shared.envelope import Event
@@ -170,7 +171,7 @@ def test_relay_killed_between_xadd_and_mark(
     engine: Engine, redis_client: redis.Redis, key_prefix: str, appended: str
 ) -> None:
     ids = enqueue_events(engine, 24)
-    leases = store.acquire_leases(engine, "doomed", PARTITIONS, TTL)
+    leases = acquire_leases(engine, "doomed", PARTITIONS, TTL)
     landed = 0
     for partition, epoch in leases.items():
         rows = store.take_batch(engine, partition, "doomed", epoch, 100, TTL)
@@ -279,11 +280,11 @@ def test_fenced_out_relay_cannot_mark_and_its_late_xadd_does_not_duplicate(
 ) -> None:
     ids = enqueue_events(engine, 12, aggregates=1)
     partition = partition_of("agg-0")
-    old = store.acquire_leases(engine, "old", PARTITIONS, TTL)
+    old = acquire_leases(engine, "old", PARTITIONS, TTL)
     stale_rows = store.take_batch(engine, partition, "old", old[partition], 100, TTL)
     assert len(stale_rows) == 12
     expire_lease(engine, partition)  # "old" stalls past its lease
-    new = store.acquire_leases(engine, "new", PARTITIONS, TTL)
+    new = acquire_leases(engine, "new", PARTITIONS, TTL)
     assert new[partition] == old[partition] + 1
     fresh_rows = store.take_batch(engine, partition, "new", new[partition], 100, TTL)
     assert [r.entry_id for r in fresh_rows] == [r.entry_id for r in stale_rows]
@@ -316,7 +317,7 @@ def claim_three(engine: Engine) -> tuple[list[str], int, int, list[outgoing.Outb
     epoch, rows)."""
     ids = enqueue_events(engine, 3, aggregates=1)
     partition = partition_of("agg-0")
-    leases = store.acquire_leases(engine, "a", PARTITIONS, TTL)
+    leases = acquire_leases(engine, "a", PARTITIONS, TTL)
     rows = store.take_batch(engine, partition, "a", leases[partition], 100, TTL)
     return ids, partition, leases[partition], rows
 
@@ -459,7 +460,7 @@ def test_relays_started_together_split_the_partitions_under_until_idle(
     the outbox idle while A holds partitions with rows to send: it waits, takes its share when
     A's next lease round gives it up, takes the rest when A stops, and exits once all is sent."""
     ids = enqueue_events(engine, 40)  # 8 aggregates over the 4 partitions
-    a = store.acquire_leases(engine, "relay-a", PARTITIONS, 60_000)
+    a = acquire_leases(engine, "relay-a", PARTITIONS, 60_000)
     assert sorted(a) == list(range(PARTITIONS))  # alone: all four
     b = Relay(relay_settings(key_prefix, node_id="relay-b"), engine, redis_client)
     done: list[object] = []
@@ -470,14 +471,14 @@ def test_relays_started_together_split_the_partitions_under_until_idle(
                    what="relay B's rounds while A holds all")
         assert thread.is_alive(), "relay B called the outbox idle while A holds its rows"
         assert not b.leases and undelivered(engine) == 40
-        a = store.acquire_leases(engine, "relay-a", PARTITIONS, 60_000)
+        a = acquire_leases(engine, "relay-a", PARTITIONS, 60_000)
         assert len(a) == PARTITIONS // 2  # two live relays: A keeps its fair share
         mine = set(range(PARTITIONS)) - set(a)
         wait_until(lambda: set(b.leases) == mine, what="relay B taking the freed partitions")
         wait_until(lambda: all(r.delivered_at_ms is not None for r in outbox_rows(engine)
                                if r.partition in mine), what="B's partitions sent")
         assert thread.is_alive() and undelivered(engine) > 0  # A's rows: still waiting
-        store.release_leases(engine, "relay-a", a)  # A stops
+        release_leases(engine, "relay-a", a)  # A stops
         thread.join(timeout=30)
         assert not thread.is_alive() and done
     finally:
@@ -491,7 +492,7 @@ def test_release_locks_lease_rows_in_partition_order_as_acquire_does(engine: Eng
     """Leases won as {kept..., taken...} (say 2, 3, then 0) are released in partition order:
     a release walking them as won could wait on row 0 held by an acquiring relay that waits on
     row 2 (``acquire_leases`` locks in partition order), a deadlock."""
-    held = store.acquire_leases(engine, "relay-a", PARTITIONS, 60_000)
+    held = acquire_leases(engine, "relay-a", PARTITIONS, 60_000)
     won = {p: held[p] for p in (2, 3, 0, 1)}  # the order _rebalance can produce
     released: list[int] = []
 
@@ -502,7 +503,7 @@ def test_release_locks_lease_rows_in_partition_order_as_acquire_does(engine: Eng
 
     event.listen(engine, "before_execute", on_execute)
     try:
-        store.release_leases(engine, "relay-a", won)
+        release_leases(engine, "relay-a", won)
     finally:
         event.remove(engine, "before_execute", on_execute)
     assert released == [0, 1, 2, 3]

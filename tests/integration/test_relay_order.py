@@ -19,6 +19,7 @@ from sqlalchemy import Connection, Engine
 from outbox_relay.producer import Producer
 from outbox_relay.relay import append, store
 from outbox_relay.relay.daemon import Relay
+from outbox_relay.relay.leases import acquire_leases
 from outbox_relay.shared import db, keys
 from outbox_relay.shared.db import is_postgres
 from outbox_relay.shared.errors import LeaseLostError, UnavailableError
@@ -99,7 +100,7 @@ def test_a_late_commit_below_the_chain_holds_back_the_next_revision(
         with engine.begin() as conn:
             for i in range(20):
                 add(conn, others[i % 4], i // 4 + 1)
-        epoch = store.acquire_leases(engine, "a", PARTITIONS, TTL)[partition]
+        epoch = acquire_leases(engine, "a", PARTITIONS, TTL)[partition]
         first = store.take_batch(engine, partition, "a", epoch, 5, TTL)
         assert len(first) == 5 and all(r.aggregate_id != "late" for r in first)
         tx.commit()
@@ -201,7 +202,7 @@ def test_a_chained_claim_holds_back_behind_many_rows_left_below_it(
     with engine.begin() as conn:
         for aggregate in left:
             add(conn, aggregate, 1)
-    epoch = store.acquire_leases(engine, "a", PARTITIONS, TTL)[partition]
+    epoch = acquire_leases(engine, "a", PARTITIONS, TTL)[partition]
     below = store.take_batch(engine, partition, "a", epoch, 100, TTL)
     assert len(below) == 100
     with engine.begin() as conn:
@@ -329,10 +330,10 @@ def test_a_fenced_out_relay_cannot_append_at_all(
     fence key, raised by the new owner's append, refuses the whole call."""
     enqueue_events(engine, 4, aggregates=1)
     partition = partition_of("agg-0")
-    old = store.acquire_leases(engine, "old", PARTITIONS, TTL)[partition]
+    old = acquire_leases(engine, "old", PARTITIONS, TTL)[partition]
     rows = store.take_batch(engine, partition, "old", old, 100, TTL)
     expire_lease(engine, partition)
-    new = store.acquire_leases(engine, "new", PARTITIONS, TTL)[partition]
+    new = acquire_leases(engine, "new", PARTITIONS, TTL)[partition]
     assert new == old + 1
     verdicts = append.append(redis_client, key_prefix, rows[:1], new)
     assert len(verdicts.delivered) == 1

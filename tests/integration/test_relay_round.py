@@ -11,6 +11,7 @@ from sqlalchemy import Engine, event
 
 from outbox_relay.relay import append, store
 from outbox_relay.relay.daemon import Relay
+from outbox_relay.relay.leases import acquire_leases
 from outbox_relay.shared.errors import LeaseLostError
 from tests.helpers import (
     PARTITIONS,
@@ -82,7 +83,7 @@ def test_a_partition_fenced_out_before_the_take_leaves_the_rest_of_the_round_del
     ids = enqueue_events(engine, 24, aggregates=8)
     relay = relay_holding_everything(engine, redis_client, key_prefix)
     expire_lease(engine, 2)  # relay "a" stalled; "b" took partition 2 over
-    assert list(store.acquire_leases(engine, "b", PARTITIONS, TTL)) == [2]
+    assert list(acquire_leases(engine, "b", PARTITIONS, TTL)) == [2]
 
     relay.run_once()
 
@@ -106,7 +107,7 @@ def test_a_partition_fenced_out_after_its_append_is_left_to_its_new_owner_by_id(
         verdicts = real(*args, **kwargs)
         if args[2][0].partition == 1:  # appended under "a"'s epoch; "b" takes over now
             expire_lease(engine, 1)
-            assert list(store.acquire_leases(engine, "b", PARTITIONS, TTL)) == [1]
+            assert list(acquire_leases(engine, "b", PARTITIONS, TTL)) == [1]
         return verdicts
 
     monkeypatch.setattr(append, "append", steal_partition_1_after_its_append)

@@ -10,8 +10,9 @@ import pytest
 import redis
 from sqlalchemy import Engine, select
 
-from outbox_relay.relay import repair, store
+from outbox_relay.relay import repair, repair_store
 from outbox_relay.relay.daemon import Relay
+from outbox_relay.relay.leases import take_free_lease
 from outbox_relay.runs.schema import runs
 from outbox_relay.shared import keys
 from outbox_relay.shared.schema import outbox
@@ -60,7 +61,7 @@ def test_total_loss_is_refilled_with_original_ids(
 
 
 def _take_leases(engine: Engine) -> dict[int, int]:
-    leases = {p: store.take_free_lease(engine, p, "repair-test", 10_000)
+    leases = {p: take_free_lease(engine, p, "repair-test", 10_000)
               for p in range(PARTITIONS)}
     assert None not in leases.values()
     return {p: e for p, e in leases.items() if e is not None}
@@ -118,7 +119,7 @@ def test_refill_refuses_ids_at_or_below_the_top(
     repair_enqueue(engine, key_prefix, 0, 5)
     _relay(engine, redis_client, key_prefix)
     p = next(p for p in range(PARTITIONS) if delivered_entries(engine, p))
-    rows = store.delivered_rows(engine, "things", p)
+    rows = repair_store.delivered_rows(engine, "things", p)
     key = keys.stream_key(key_prefix, "things", p)
     finding = repair.compare(engine, redis_client, key_prefix, "things", p, len(rows))
     epoch = _take_leases(engine)[p]

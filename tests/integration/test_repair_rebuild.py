@@ -13,8 +13,9 @@ import pytest
 import redis
 from sqlalchemy import Engine, update
 
-from outbox_relay.relay import entry_ids, repair, repair_streams, store
+from outbox_relay.relay import entry_ids, repair, repair_store, repair_streams
 from outbox_relay.relay.daemon import Relay
+from outbox_relay.relay.leases import take_free_lease
 from outbox_relay.shared import keys
 from outbox_relay.shared.errors import LeaseLostError
 from outbox_relay.shared.schema import relay_leases
@@ -29,7 +30,7 @@ pytestmark = pytest.mark.integration
 
 
 def _take_lease(engine: Engine, partition: int) -> int:
-    epoch = store.take_free_lease(engine, partition, "rebuild-test", 30_000)
+    epoch = take_free_lease(engine, partition, "rebuild-test", 30_000)
     assert epoch is not None
     return epoch
 
@@ -65,7 +66,7 @@ def _groups(client: redis.Redis, key: str) -> dict[bytes, tuple[Any, ...]]:
 
 
 def _repair(engine: Engine, client: redis.Redis, prefix: str, p: int, **kw: Any) -> tuple[str, int]:
-    delivered = store.delivered_counts(engine, [p])[("things", p)]
+    delivered = repair_store.delivered_counts(engine, [p])[("things", p)]
     finding = repair.compare(engine, client, prefix, "things", p, delivered)
     assert finding.reason is not None
     return repair.repair(engine, client, finding, epoch=_take_lease(engine, p), **kw)
@@ -153,7 +154,7 @@ def _take_lease_after_expiry(engine: Engine, partition: int) -> int:
     with engine.begin() as conn:
         conn.execute(update(relay_leases).where(relay_leases.c.partition == partition)
                      .values(expires_at_ms=0))
-    epoch = store.take_free_lease(engine, partition, "other-node", 30_000)
+    epoch = take_free_lease(engine, partition, "other-node", 30_000)
     assert epoch is not None
     return epoch
 

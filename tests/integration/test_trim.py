@@ -14,11 +14,11 @@ import redis
 from sqlalchemy import Engine, func, select
 
 from outbox_relay.cli import status
-from outbox_relay.consumer import dead_letters, streams
+from outbox_relay.consumer import dead_letters, group_status, streams
 from outbox_relay.consumer.daemon import Consumer
 from outbox_relay.consumer.handlers import Handlers
 from outbox_relay.consumer.prune import InboxPruner
-from outbox_relay.relay import entry_ids, store
+from outbox_relay.relay import entry_ids, stream_book
 from outbox_relay.relay.daemon import Relay
 from outbox_relay.shared import keys
 from outbox_relay.shared.db import now_ms
@@ -103,7 +103,7 @@ def test_a_slow_group_keeps_what_it_has_not_acknowledged_and_the_stream_is_bound
     # Only the 2,000 the slow group acknowledged may go: its 50 pending and 9,950 unread stay.
     assert removed == 2_000
     assert _ids(redis_client, key) == everything[2_000:]
-    assert store.trim_floor(engine, STREAM, 0) == f"{entry_ids.parse(everything[2_000])[0]}-0"
+    assert stream_book.trim_floor(engine, STREAM, 0) == f"{entry_ids.parse(everything[2_000])[0]}-0"
 
     redis_client.xack(key, "slow", *everything[2_000:2_050])
     assert _read_ack(redis_client, key, "slow", total) == total - 2_050
@@ -113,7 +113,7 @@ def test_a_slow_group_keeps_what_it_has_not_acknowledged_and_the_stream_is_bound
     report = status.collect(engine, redis_client, key_prefix)  # `outbox status` shows it
     [shown] = [st for st in report["streams"] if st["key"] == key]
     assert (shown["length"], shown["trimmed"]) == (0, total)
-    assert shown["trim_floor"] == store.trim_floor(engine, STREAM, 0)
+    assert shown["trim_floor"] == stream_book.trim_floor(engine, STREAM, 0)
 
 
 def test_trim_keeps_the_newest_entries_and_never_trims_a_stream_without_groups(
@@ -258,7 +258,7 @@ def test_a_group_missing_longer_than_group_forget_s_is_forgotten(
     redis_client.xgroup_destroy(key, "dropped")  # deleted on purpose by an operator
     _read_ack(redis_client, key, "kept", 30)
     assert relay.trimmer.trim(STREAM, 0, epoch=_epoch(relay)) == 0  # held: missing since now
-    [known] = store.known_groups(engine, [0]).values()
+    [known] = stream_book.known_groups(engine, [0]).values()
     assert known["kept"] is None and known["dropped"] is not None
 
     with engine.begin() as conn:  # an hour and a second later
@@ -266,7 +266,7 @@ def test_a_group_missing_longer_than_group_forget_s_is_forgotten(
             missing_since_ms=stream_groups.c.missing_since_ms - 3_601_000))
     assert relay.trimmer.trim(STREAM, 0, epoch=_epoch(relay)) == 0  # forgotten this round
     assert relay.trimmer.stats.groups_forgotten == 1
-    assert store.known_groups(engine, [0]) == {(STREAM, 0): {"kept": None}}
+    assert stream_book.known_groups(engine, [0]) == {(STREAM, 0): {"kept": None}}
     assert relay.trimmer.trim(STREAM, 0, epoch=_epoch(relay)) == 30
 
 
@@ -350,7 +350,7 @@ def test_entries_trimmed_while_pending_get_a_lost_receipt_and_a_letter_never_a_s
     consumer.recheck_pending()
     consumer.run_once(block_ms=10)
 
-    assert streams.group_pending(redis_client, [key], "g")[key] == 0
+    assert group_status.group_pending(redis_client, [key], "g")[key] == 0
     with engine.connect() as conn:
         receipts = dict(conn.execute(
             select(inbox.c.event_id, inbox.c.outcome).where(inbox.c.group_name == "g")).all())
@@ -435,7 +435,7 @@ def test_a_vanished_entry_that_was_already_handled_is_just_acknowledged(
     consumer.recheck_pending()
     consumer.run_once(block_ms=10)
 
-    assert streams.group_pending(redis_client, [key], "g")[key] == 0
+    assert group_status.group_pending(redis_client, [key], "g")[key] == 0
     assert consumer.stats.lost == 0
     assert redis_client.xlen(keys.dead_letter_key(key_prefix, STREAM, 0)) == 0
     with engine.connect() as conn:
@@ -494,7 +494,7 @@ def test_trimmed_entries_redis_brings_back_without_receipts_are_acknowledged_nev
     assert len(applied) == 10
     before = redis_client.xrange(key)  # what the replica still holds
     assert relay.trimmer.trim(STREAM, 0, epoch=_epoch(relay)) == 10
-    assert entry_ids.greater(store.trim_floor(engine, STREAM, 0), before[-1][0].decode())
+    assert entry_ids.greater(stream_book.trim_floor(engine, STREAM, 0), before[-1][0].decode())
     with engine.begin() as conn:  # what retention does to receipts below the floor
         conn.execute(inbox.delete().where(inbox.c.group_name == "g"))
     # The failover: the promoted replica has the trimmed entries and the group's old position.
@@ -511,7 +511,7 @@ def test_trimmed_entries_redis_brings_back_without_receipts_are_acknowledged_nev
 
     assert applied[10:] == ["evt-fresh"]
     assert consumer.stats.resurrected == 10
-    assert streams.group_pending(redis_client, [key], "g")[key] == 0
+    assert group_status.group_pending(redis_client, [key], "g")[key] == 0
     assert redis_client.xinfo_groups(key)[0]["last-delivered-id"] == redis_client.xinfo_stream(
         key)["last-generated-id"]
     with engine.connect() as conn:  # no receipt for what was not applied

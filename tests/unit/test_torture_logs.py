@@ -8,7 +8,7 @@ import logging
 from datetime import UTC, datetime
 from pathlib import Path
 
-from outbox_relay.consumer import daemon, inbox, ordering
+from outbox_relay.consumer import counters, inbox, ordering
 from outbox_relay.shared.envelope import Event
 from outbox_relay.shared.logs import make_handler
 from torture.procs import Child
@@ -25,9 +25,9 @@ def test_resurrected_entries_are_counted_from_the_consumers_own_warning(tmp_path
     logger = logging.getLogger("outbox_relay.consumer.daemon")
     logger.addHandler(handler)
     try:
-        daemon._warn_resurrected([_outcome("1-1"), _outcome("1-2"), _outcome("1-3")], "g")
-        daemon._warn_resurrected([_outcome("2-1")], "g")
-        daemon._warn_resurrected([], "g")  # nothing came back: nothing said
+        counters.warn_resurrected([_outcome("1-1"), _outcome("1-2"), _outcome("1-3")], "g")
+        counters.warn_resurrected([_outcome("2-1")], "g")
+        counters.warn_resurrected([], "g")  # nothing came back: nothing said
     finally:
         logger.removeHandler(handler)
     log = tmp_path / "consumer-0.00001.log"

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 
 from outbox_relay.cli import options
-from outbox_relay.relay import store
+from outbox_relay.relay import stream_book
 from outbox_relay.shared import db
 from outbox_relay.shared.settings import CommonSettings
 
@@ -26,7 +26,7 @@ def main(args: argparse.Namespace) -> int:
     settings = options.load_settings(CommonSettings, args)
     engine = db.existing_engine(settings.database_url)
     db.check_schema(engine)
-    removed = store.forget_groups(engine, args.group, args.stream)
+    removed = stream_book.forget_groups(engine, args.group, args.stream)
     where = f"stream {args.stream}" if args.stream else "every stream"
     print(f"forgot group {args.group} on {removed} partition stream(s) of {where}")
     return 0

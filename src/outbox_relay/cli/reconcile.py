@@ -26,13 +26,14 @@ import redis
 from sqlalchemy import Engine
 
 from outbox_relay.cli import options
-from outbox_relay.relay import repair, store
+from outbox_relay.relay import leases, repair, repair_store
 from outbox_relay.runs import pipeline as rs
 from outbox_relay.runs import schema as runs_schema
 from outbox_relay.runs.settings import RunSettings
 from outbox_relay.runs.store import store_for
 from outbox_relay.shared import db
-from outbox_relay.shared.db import now_ms, translate_errors
+from outbox_relay.shared.db import now_ms
+from outbox_relay.shared.db_errors import translate_errors
 from outbox_relay.shared.errors import (
     ConflictError,
     InvalidTransitionError,
@@ -82,7 +83,7 @@ def check_streams(
 ) -> list[dict[str, Any]]:
     """Compare every delivered-to stream with Redis; repair those behind (unless dry run)."""
     node = f"reconcile:{socket.gethostname()}:{os.getpid()}"
-    counts = store.delivered_counts(engine, list(range(settings.partitions)))
+    counts = repair_store.delivered_counts(engine, list(range(settings.partitions)))
     out = []
     for (stream, partition), delivered in sorted(counts.items()):
         f = repair.compare(engine, client, settings.key_prefix, stream, partition, delivered)
@@ -92,7 +93,7 @@ def check_streams(
             "action": None, "repaired_entries": 0,
         }
         if f.reason is not None and not dry_run:
-            epoch = store.take_free_lease(engine, partition, node, LEASE_TTL_MS)
+            epoch = leases.take_free_lease(engine, partition, node, LEASE_TTL_MS)
             if epoch is None:
                 item["action"] = "left to the relay holding the partition"
             else:
@@ -102,7 +103,7 @@ def check_streams(
                 except LeaseLostError:
                     item["action"] = "stopped: a relay took the partition meanwhile"
                 finally:
-                    store.release_leases(engine, node, {partition: epoch})
+                    leases.release_leases(engine, node, {partition: epoch})
         out.append(item)
     return out
 

@@ -8,10 +8,11 @@ from typing import Any
 import redis
 from sqlalchemy import Engine, func, select
 
-from outbox_relay.consumer import inbox, ownership, streams
+from outbox_relay.consumer import group_status, inbox, ownership
 from outbox_relay.relay import backlog as relay_backlog
 from outbox_relay.shared import keys, partition_counts
-from outbox_relay.shared.db import now_ms, translate_errors
+from outbox_relay.shared.db import now_ms
+from outbox_relay.shared.db_errors import translate_errors
 from outbox_relay.shared.redis_conn import node_of, translate_redis_errors
 from outbox_relay.shared.schema import outbox, relay_leases, stream_groups, stream_trims
 
@@ -131,7 +132,7 @@ def _streams(
             parsed = keys.parse_stream_key(prefix, key)
             if parsed is None or client.type(key) != b"stream":
                 continue
-            try:  # the newest entry: a group that read it has no lag (streams.unread)
+            try:  # the newest entry: a group that read it has no lag (group_status.unread)
                 newest: Any = client.xrevrange(key, count=1)
             except redis.exceptions.NoPermissionError:  # an older ACL (docs/security.md) lacks it
                 newest = None
@@ -140,7 +141,7 @@ def _streams(
                     "name": g["name"].decode(),
                     "consumers": g["consumers"],
                     "pending": g["pending"],
-                    "lag": streams.unread(g, newest),
+                    "lag": group_status.unread(g, newest),
                     "last_delivered_id": g["last-delivered-id"].decode(),
                 }
                 for g in client.xinfo_groups(key)

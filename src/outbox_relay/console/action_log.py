@@ -18,7 +18,8 @@ from typing import Any
 
 from sqlalchemy import Engine, insert, select, update
 
-from outbox_relay.shared.db import now_ms, translate_errors
+from outbox_relay.shared.db import now_ms
+from outbox_relay.shared.db_errors import translate_errors
 from outbox_relay.shared.schema import console_action_letters as letters_table
 from outbox_relay.shared.schema import console_actions as actions_table
 

@@ -59,7 +59,7 @@ def groups(report: dict[str, Any]) -> dict[str, Any]:
         t = totals.setdefault(r["group"], {"group": r["group"], "pending": 0, "lag": 0,
                                            "unknown_lag": False})
         t["pending"] += r["pending"]
-        if r["lag"] is None:  # Redis could not tell (streams.unread): say so, do not guess 0
+        if r["lag"] is None:  # Redis could not tell (group_status.unread): say so, do not guess 0
             t["unknown_lag"] = True
         else:
             t["lag"] += r["lag"]

@@ -3,7 +3,8 @@
 Order of a batch, and why:
 
 1. Entries that do not parse are copied to the dead-letter stream with their reason, then
-   acknowledged: they can never succeed, and a record exists before the ACK.
+   acknowledged: they can never succeed, and a record exists before the ACK
+   (:mod:`consumer.triage`).
 2. Everything else is claimed in one transaction (:func:`consumer.inbox.claim`), which also
    decides the order per aggregate (``waiting``, ``out_of_order``, ``superseded``).
 3. After that commit and before the ACK: dead outcomes (unknown type, more than
@@ -32,13 +33,20 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import redis
 from sqlalchemy import Connection, Engine
 
-from outbox_relay.consumer import async_handlers, inbox, letters, lost, streams, validate
+from outbox_relay.consumer import (
+    async_handlers,
+    counters,
+    group_status,
+    inbox,
+    letters,
+    streams,
+    triage,
+)
 from outbox_relay.consumer import ownership as ownership_
 from outbox_relay.consumer.handlers import Handlers
 from outbox_relay.consumer.hygiene import HygieneStats
@@ -49,7 +57,7 @@ from outbox_relay.consumer.streams import Entry
 from outbox_relay.shared import faults, keys, partition_counts
 from outbox_relay.shared.daemon_control import Backoff, stop_on_signals
 from outbox_relay.shared.db import now_ms
-from outbox_relay.shared.errors import InvalidEventError, UnavailableError
+from outbox_relay.shared.errors import UnavailableError
 from outbox_relay.shared.periodic import Periodic, run_due
 from outbox_relay.shared.periodic import shutdown as shutdown_periodic
 from outbox_relay.shared.progress import Progress
@@ -61,28 +69,6 @@ if TYPE_CHECKING:
     from outbox_relay.consumer.metrics import ConsumerMetrics
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class ConsumerStats:
-    """Counters since start."""
-
-    read: int = 0
-    applied: int = 0
-    duplicates: int = 0
-    superseded: int = 0  # latest-ordered events older than the applied revision
-    dead: int = 0
-    out_of_order: int = 0  # strict events older than the applied revision (also in ``dead``)
-    failed: int = 0
-    waiting: int = 0  # strict events held behind an earlier failing/waiting one (not acked)
-    invalid: int = 0
-    autoclaimed: int = 0  # pending entries re-read by a pending pass (retries, takeovers)
-    taken_over: int = 0  # pending entries moved to us from another consumer of the group
-    lease_losses: int = 0  # claims refused because a partition stream was taken over
-    lost: int = 0  # entries that vanished from the stream while pending (receipt ``lost``)
-    resurrected: int = 0  # trimmed entries Redis brought back (acked, not applied again)
-    retried: int = 0  # failures given a later attempt (consumer/retry.py; also in ``failed``)
-    conflicting: int = 0  # redelivered ids carrying other data (also in ``dead``)
 
 
 class Consumer:
@@ -122,7 +108,7 @@ class Consumer:
         # Strict aggregates with an earlier entry failing or waiting (consumer/inbox.py):
         # rebuilt by each pending pass, grown by every claim in between.
         self.blocked: set[tuple[str, str]] = set()
-        self.stats = ConsumerStats()
+        self.stats = counters.ConsumerStats()
         self.after_batch = after_batch
         self._stop = threading.Event()
         # Each owned stream draining (a pending pass due before anything new) or readable.
@@ -162,7 +148,7 @@ class Consumer:
         st = self.stats
         done, rate = self._progress.since_last(st.applied)
         held = sorted(self.leases.held)
-        pending, behind = streams.outstanding(self.client, held, self.settings.group)
+        pending, behind = group_status.outstanding(self.client, held, self.settings.group)
         line = (f"consumer {self.name} of group {self.settings.group}: applied {done:,} events "
                 f"({rate:,.1f}/s, {st.applied:,} since start; {st.retried:,} retried, "
                 f"{st.dead:,} dead letters); {len(held)} streams held, {pending:,} pending, "
@@ -179,7 +165,7 @@ class Consumer:
         """SIGTERM and SIGINT stop the loop after the current batch."""
         stop_on_signals(self.stop, log, "batch")
 
-    def run(self, *, until_idle: bool = False) -> ConsumerStats:
+    def run(self, *, until_idle: bool = False) -> counters.ConsumerStats:
         """Consume until stopped, then give the leases back (so others need not wait for them
         to expire). ``until_idle`` (``outbox consume --until-idle``): also stop after a round
         that handled nothing when the group has nothing pending (entries waiting for a retry
@@ -220,8 +206,8 @@ class Consumer:
 
     def idle(self) -> bool:
         """Whether the group is done with every partition stream this consumer reads: nothing
-        pending for any consumer of the group, nothing unread (:func:`streams.group_idle`)."""
-        return streams.group_idle(self.client, self.keys, self.settings.group)
+        pending for any consumer of the group, nothing unread (:func:`group_status.group_idle`)."""
+        return group_status.group_idle(self.client, self.keys, self.settings.group)
 
     def run_once(self, block_ms: int | None = None) -> int:
         """Renew leases when due; a pending pass when due; then one ``XREADGROUP >`` of the
@@ -274,10 +260,10 @@ class Consumer:
         """New entries of keys on which another consumer still holds pending (older) entries
         wait: they stay pending for us, the stream is draining again, and its pending pass
         takes the others over and applies everything in id order (see
-        :func:`consumer.streams.foreign_pending`)."""
+        :func:`consumer.group_status.foreign_pending`)."""
         if not entries or not self.leases.enabled:
             return entries
-        foreign = streams.foreign_pending(
+        foreign = group_status.foreign_pending(
             self.client, sorted({e.key for e in entries}), self.settings.group, self.name)
         if not foreign:
             return entries
@@ -368,7 +354,7 @@ class Consumer:
         if time.monotonic() < self._next_pending_check:
             return False
         self._next_pending_check = time.monotonic() + self.settings.claim_interval_ms / 1000
-        pending = streams.group_pending(self.client, readable, self.settings.group)
+        pending = group_status.group_pending(self.client, readable, self.settings.group)
         return any(pending.values())
 
     def _fence_check(self, stream_keys: list[str]) -> Callable[[Connection], None] | None:
@@ -438,8 +424,9 @@ class Consumer:
             return 0
         self.stats.read += len(entries)
         s = self.settings
-        to_ack, invalid, batch = self._letters_validate(entries)
-        to_ack += self._record_lost([e for e in entries if e.fields is None], invalid)
+        to_ack, invalid, batch = triage.split(entries, s, self.signer, self.handlers, self.stats)
+        to_ack += triage.record_lost(self.engine, s, [e for e in entries if e.fields is None],
+                                     invalid, self._fence_check, self.stats)
         streams.dead_letter(self.client, s.key_prefix, invalid, s.group, self.name)
         check = self._fence_check(sorted({d.key for d in batch})) if batch else None
         started = time.perf_counter()
@@ -453,12 +440,12 @@ class Consumer:
             self.metrics.claimed(outcomes, time.perf_counter() - started)
         faults.point("consumer.after_commit")
         by_id = {(e.key, e.entry_id): e for e in entries}
-        _warn_resurrected(outcomes, s.group)
+        counters.warn_resurrected(outcomes, s.group)
         self._schedule_retry(inbox.next_attempt_ms(outcomes))
         dead, waiting = [], []
         for o in outcomes:
             entry = by_id[(o.delivery.key, o.delivery.entry_id)]
-            self._count(o)
+            counters.count(self.stats, o)
             if o.outcome == inbox.WAITING:
                 waiting.append(entry)
             elif o.outcome != inbox.FAILED:
@@ -475,61 +462,6 @@ class Consumer:
             self.after_batch()
         return len(entries)
 
-    def _letters_validate(
-        self, entries: list[Entry]
-    ) -> tuple[list[Entry], list[tuple[Entry, str, str]], list[inbox.Delivery]]:
-        """Split a batch: (to ack now, their letters, deliveries to claim).
-
-        Unparsable entries, and with a signing key unsigned or forged ones
-        (:mod:`consumer.validate`), get a letter and are acknowledged, without a receipt; an
-        unknown type or too many deliveries (when ``max_deliveries`` is set) marks the
-        delivery dead (the claim still decides: a delivery of a blocked aggregate waits
-        whatever its counter says).
-        """
-        s = self.settings
-        to_ack: list[Entry] = []
-        letters: list[tuple[Entry, str, str]] = []
-        batch: list[inbox.Delivery] = []
-        for entry in entries:
-            if entry.fields is None:  # vanished while pending: see _record_lost
-                continue
-            try:
-                event = validate.parse(entry.fields, s.max_data_bytes, self.signer)
-            except InvalidEventError as err:
-                letters.append((entry, err.code, err.message))
-                to_ack.append(entry)
-                self.stats.invalid += 1
-                continue
-            reason = None
-            if self.handlers.get(event.type) is None:
-                reason = "unknown_type"
-            elif s.max_deliveries and entry.deliveries > s.max_deliveries:
-                reason = "max_deliveries"
-            batch.append(inbox.Delivery(entry.key, entry.entry_id, event, entry.deliveries, reason))
-        return to_ack, letters, batch
-
-    def _record_lost(
-        self, vanished: list[Entry], letters: list[tuple[Entry, str, str]]
-    ) -> list[Entry]:
-        """Entries that vanished from the stream while pending (an operator's blind trim):
-        a ``lost`` receipt committed first (consumer/lost.py), then a letter (added to
-        ``letters``) carrying what the outbox still knows; returns the entries to ack."""
-        if not vanished:
-            return []
-        check = self._fence_check(sorted({e.key for e in vanished}))
-        decided = lost.record(self.engine, self.settings.key_prefix, self.settings.group,
-                              vanished, check)
-        for d in decided:
-            if d.letter:
-                self.stats.lost += 1
-                letters.append((d.entry, lost.LOST, "the entry vanished from the stream while "
-                                "pending (trimmed or deleted before this group handled it)"))
-                log.warning("entry %s of %s vanished while pending; receipt lost, "
-                            "dead-lettered", d.entry.entry_id, d.entry.key,
-                            extra={"event_id": d.event_id, "stream_key": d.entry.key,
-                                   "group": self.settings.group})
-        return [d.entry for d in decided]
-
     def _run_after_commit(self, applied: set[str]) -> None:
         for event_id, callback in self.handlers.take_scheduled(applied):
             try:
@@ -539,16 +471,6 @@ class Consumer:
                             type(err).__name__, exc_info=True,
                             extra={"event_id": event_id, "group": self.settings.group,
                                    "consumer": self.name, "error": type(err).__name__})
-
-    def _count(self, o: inbox.Outcome) -> None:
-        attr = {"duplicate": "duplicates"}.get(o.outcome, o.outcome)
-        setattr(self.stats, attr, getattr(self.stats, attr) + 1)
-        if o.outcome == inbox.DEAD and o.error == inbox.OUT_OF_ORDER:
-            self.stats.out_of_order += 1
-        elif o.outcome == inbox.DEAD and o.error == inbox.CONFLICTING_DUPLICATE:
-            self.stats.conflicting += 1
-        elif o.outcome == inbox.FAILED and o.retry_at_ms is not None:
-            self.stats.retried += 1
 
     def _schedule_retry(self, at_ms: int | None) -> None:
         """A pending pass when the earliest retry of the batch is due (if before the one
@@ -568,15 +490,3 @@ class Consumer:
 
     def _sleep_backoff(self, err: UnavailableError) -> None:
         self._backoff.sleep(err, self._stop, log)
-
-
-def _warn_resurrected(outcomes: list[inbox.Outcome], group: str) -> None:
-    """Say so when Redis brought back entries that were trimmed (``resurrected``: acked, not
-    applied): a failover without ``WAIT`` or a restored old snapshot; never silent."""
-    back = [o.delivery for o in outcomes if o.outcome == inbox.RESURRECTED]
-    if back:
-        log.warning("%d entries below their streams' trim floor were delivered again (Redis "
-                    "brought back trimmed entries: a failover without WAIT, or an old snapshot)"
-                    "; acknowledged without applying them", len(back),
-                    extra={"group": group, "stream_key": back[0].key,
-                           "entry_id": back[0].entry_id, "resurrected": len(back)})

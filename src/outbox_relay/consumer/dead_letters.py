@@ -46,7 +46,7 @@ from outbox_relay.consumer import inbox, lost
 from outbox_relay.consumer.handlers import Handlers
 from outbox_relay.consumer.streams import text
 from outbox_relay.shared import keys
-from outbox_relay.shared.db import translate_errors
+from outbox_relay.shared.db_errors import translate_errors
 from outbox_relay.shared.envelope import DEFAULT_MAX_DATA_BYTES, Event
 from outbox_relay.shared.errors import (
     ConfigError,
@@ -398,8 +398,9 @@ def reopen_dead_receipt(engine: Engine, group: str, event_id: str) -> int:
     """Delete the group's ``dead`` (or ``lost``: consumer/lost.py) receipt of ``event_id`` so
     the claim can decide again.
 
-    The only SQL statement outside :mod:`consumer.inbox` (whose claim transaction is shared
-    with the daemon); it touches nothing but a ``dead`` outcome. Returns rows deleted (0 or 1).
+    The only SQL statement outside the claim (:mod:`consumer.inbox`, whose transaction is
+    shared with the daemon, and :mod:`consumer.claim_writes`); it touches nothing but a
+    ``dead`` outcome. Returns rows deleted (0 or 1).
     """
     with translate_errors(), engine.begin() as conn:
         result = conn.execute(

@@ -1,4 +1,4 @@
-"""Every SQL statement of the consumer: the claim transaction (inbox, heads, handlers).
+"""The consumer's claim transaction (inbox, heads, handlers): its lookups and decisions.
 
 One transaction per batch. On PostgreSQL it first takes transaction-scoped advisory locks on
 the batch's aggregates (sorted, so two consumers cannot deadlock), which serializes any two
@@ -9,17 +9,17 @@ The claim, in one transaction: fence check -> (PostgreSQL) advisory locks -> one
 (receipts with their fingerprints, heads, trim floors, the batch's durable retry rows) ->
 decide each delivery and run the handlers -> write receipts (with fingerprints), heads and
 retry rows (upserted for a ``failed`` event with its next attempt time; deleted once it is
-settled) -> commit. The decisions (duplicates and conflicts, order per aggregate, retries,
-whose fault an error is) are made by :mod:`consumer.ordering`, whose outcome vocabulary this
-module re-exports: ``inbox.APPLIED``, ``inbox.Delivery``, ``inbox.claim`` are what the daemon
-and dead-letter replay use.
+settled) -> commit. Every SQL statement of the claim is here but its writes, which are in
+:mod:`consumer.claim_writes`. The decisions (duplicates and conflicts, order per aggregate,
+retries, whose fault an error is) are made by :mod:`consumer.ordering`, whose outcome
+vocabulary this module re-exports: ``inbox.APPLIED``, ``inbox.Delivery``, ``inbox.claim`` are
+what the daemon and dead-letter replay use.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
-import json
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -31,20 +31,17 @@ from sqlalchemy import (
     String,
     bindparam,
     cast,
-    column,
     func,
     literal,
     select,
     true,
     tuple_,
     union_all,
-    update,
 )
-from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.engine import Dialect
+from sqlalchemy.dialects import postgresql
 from sqlalchemy.sql import Select
 
-from outbox_relay.consumer import async_handlers
+from outbox_relay.consumer import async_handlers, claim_writes
 from outbox_relay.consumer.handlers import Handlers
 from outbox_relay.consumer.ordering import (
     APPLIED,
@@ -67,7 +64,8 @@ from outbox_relay.consumer.ordering import (
 )
 from outbox_relay.consumer.prune import entry_key, partition_of
 from outbox_relay.consumer.retry import REJECTED, RETRY_HORIZON, PermanentError, Retry
-from outbox_relay.shared.db import is_postgres, json_recordset, now_ms, translate_errors
+from outbox_relay.shared.db import is_postgres, now_ms
+from outbox_relay.shared.db_errors import translate_errors
 from outbox_relay.shared.schema import consumer_retries, inbox, inbox_heads, stream_trims
 
 __all__ = [
@@ -148,7 +146,7 @@ def _claim_in(
     seen, heads, below, retries = _lookup(conn, group, batch)
     ledger = Ledger(seen, heads, blocked, below, retries, now_ms() if now is None else now)
     outcomes, ledger = decide_batch(conn, batch, ledger, handlers, group, retry)
-    _write(conn, group, outcomes, ledger)
+    claim_writes.write(conn, group, outcomes, ledger)
     return outcomes, ledger
 
 
@@ -336,184 +334,6 @@ def _probe(query: Select[Any], name: str = "found") -> Any:
     keeps the subquery from being flattened into a join the planner could reorder.
     """
     return query.limit(1).lateral(name)
-
-def _write(conn: Connection, group: str, outcomes: list[Outcome], ledger: Ledger) -> None:
-    now = ledger.now_ms
-    receipts = [
-        {
-            "group_name": group,
-            "event_id": o.delivery.event.id,
-            "event_type": o.delivery.event.type,
-            "aggregate_type": o.delivery.event.aggregatetype,
-            "aggregate_id": o.delivery.event.aggregateid,
-            "revision": o.delivery.event.revision,
-            "stream_key": o.delivery.key,
-            "entry_id": o.delivery.entry_id,
-            "outcome": o.outcome,
-            "reason": o.error,
-            "fingerprint": o.delivery.fingerprint,
-            "created_at_ms": now,
-        }
-        for o in outcomes
-        # a conflicting duplicate leaves the receipt it conflicts with as it is
-        if o.outcome in (APPLIED, SUPERSEDED, DEAD) and o.error != CONFLICTING_DUPLICATE
-    ]
-    if receipts:
-        _insert_receipts(conn, receipts)
-    duplicates = [o.delivery.event.id for o in outcomes if o.outcome == DUPLICATE]
-    if duplicates:
-        conn.execute(
-            update(inbox)
-            .where(inbox.c.group_name == group, inbox.c.event_id == bindparam("b_id"))
-            .values(duplicates=inbox.c.duplicates + 1),
-            [{"b_id": i} for i in duplicates],
-        )
-    applied_heads = _applied_heads(outcomes)
-    if applied_heads:
-        _upsert_heads(conn, group, applied_heads)
-    _write_retries(conn, group, outcomes, ledger)
-
-
-def _write_retries(conn: Connection, group: str, outcomes: list[Outcome], ledger: Ledger) -> None:
-    """Upsert the retry row of every ``failed`` event that retries (its attempts and next
-    attempt time); delete the rows of events this claim settled (applied, dead, superseded,
-    duplicate). A replay's failure writes none: its letter, not a pending entry, is its
-    record."""
-    r = consumer_retries.c
-    failed = [o for o in outcomes if o.outcome == FAILED and o.retry_at_ms is not None]
-    if failed:
-        first = {i: s.first_failed_ms for i, s in ledger.retries.items()}
-        rows = [{"group_name": group, "event_id": o.delivery.event.id,
-                 "stream_key": o.delivery.key, "entry_id": o.delivery.entry_id,
-                 "attempts": o.attempts,
-                 "first_failed_at_ms": first.get(o.delivery.event.id, ledger.now_ms),
-                 "next_attempt_at_ms": o.retry_at_ms, "last_error": (o.error or "")[:64],
-                 "updated_at_ms": ledger.now_ms} for o in failed]
-        ins = (postgresql.insert if is_postgres(conn) else sqlite.insert)(consumer_retries)
-        conn.execute(ins.on_conflict_do_update(
-            index_elements=["group_name", "event_id"],
-            set_={c: ins.excluded[c] for c in ("stream_key", "entry_id", "attempts",
-                                               "next_attempt_at_ms", "last_error",
-                                               "updated_at_ms")}), rows)
-    settled = [o.delivery.event.id for o in outcomes
-               if o.outcome not in (FAILED, WAITING) and o.delivery.event.id in ledger.retries]
-    if settled:
-        conn.execute(consumer_retries.delete().where(r.group_name == group,
-                                                     r.event_id.in_(settled)))
-
-
-def _applied_heads(outcomes: Iterable[Outcome]) -> dict[tuple[str, str], int]:
-    best: dict[tuple[str, str], int] = {}
-    for o in outcomes:
-        head = aggregate_key(o.delivery.event)
-        rev = o.delivery.event.revision
-        if o.outcome == APPLIED and head is not None and rev is not None:
-            best[head] = max(best.get(head, -1), rev)
-    return best
-
-
-# Receipt columns that vary within a batch (group and time are the same for all of it).
-_RECEIPT_COLUMNS = (
-    "event_id", "event_type", "aggregate_type", "aggregate_id", "revision", "stream_key",
-    "entry_id", "outcome", "reason", "fingerprint",
-)
-
-
-def _insert_receipts(conn: Connection, receipts: list[dict[str, Any]]) -> None:
-    """Insert a batch's receipts: one statement on PostgreSQL, ``executemany`` on SQLite.
-
-    On PostgreSQL ``INSERT … SELECT … FROM json_to_recordset(:rows)``
-    (:func:`shared.db.json_recordset`), where psycopg's ``executemany`` sent one pipelined
-    statement per row (a third of a claim's time). SQLite's ``executemany`` loops in C.
-    """
-    if not is_postgres(conn):
-        conn.execute(inbox.insert(), receipts)
-        return
-    conn.execute(
-        _receipts_query(),
-        {
-            "b_rows": [{k: r[k] for k in _RECEIPT_COLUMNS} for r in receipts],
-            "b_group": receipts[0]["group_name"],
-            "b_now": receipts[0]["created_at_ms"],
-        },
-    )
-
-
-@functools.cache
-def _receipts_query() -> Any:
-    """The PostgreSQL insert of :func:`_insert_receipts`, built once."""
-    given = json_recordset(
-        "b_rows", *(column(name, inbox.c[name].type) for name in _RECEIPT_COLUMNS)
-    )
-    rows = select(
-        bindparam("b_group", type_=String), *(given.c[name] for name in _RECEIPT_COLUMNS),
-        bindparam("b_now", type_=BigInteger),
-    )
-    return inbox.insert().from_select(["group_name", *_RECEIPT_COLUMNS, "created_at_ms"], rows)
-
-
-def _upsert_heads(conn: Connection, group: str, heads: dict[tuple[str, str], int]) -> None:
-    """Raise each aggregate's applied revision (never lower it); keys are distinct. A raised
-    head's ``updated_at_ms`` is now (retention prunes heads that stopped moving)."""
-    ordered = sorted(heads.items())
-    now = now_ms()
-    if not is_postgres(conn):
-        sql, order = _sqlite_heads_sql(conn.dialect)
-        rows = [{"b_group": group, "b_type": t, "b_id": i, "b_rev": r, "b_now": now}
-                for (t, i), r in ordered]
-        conn.exec_driver_sql(sql, [tuple(row[name] for name in order) for row in rows])
-        return
-    conn.exec_driver_sql(_heads_sql(conn.dialect), {
-        "b_group": group, "b_now": now,
-        "b_heads": json.dumps([{"t": t, "i": i, "r": r} for (t, i), r in ordered]),
-    })
-
-
-@functools.cache
-def _heads_sql(dialect: Dialect) -> str:
-    """:func:`_heads_query` compiled once per dialect: SQLAlchemy cannot cache-key an
-    ``ON CONFLICT … DO UPDATE … WHERE`` statement, so it compiled this one on every claim (a
-    sixth of a small claim's CPU in a profile at 1,000 events/s)."""
-    return str(_heads_query().compile(dialect=dialect))
-
-
-@functools.cache
-def _sqlite_heads_sql(dialect: Dialect) -> tuple[str, tuple[str, ...]]:
-    """The SQLite upsert of :func:`_upsert_heads` compiled once per dialect (as
-    :func:`_heads_sql`), with its parameters' names in the order the driver takes them
-    (SQLite's drivers are positional, ``?``); run as an ``executemany``, one row per head."""
-    upsert = sqlite.insert(inbox_heads).values(
-        group_name=bindparam("b_group", type_=String),
-        aggregate_type=bindparam("b_type", type_=String),
-        aggregate_id=bindparam("b_id", type_=String),
-        revision=bindparam("b_rev", type_=BigInteger),
-        updated_at_ms=bindparam("b_now", type_=BigInteger),
-    )
-    compiled = upsert.on_conflict_do_update(
-        index_elements=["group_name", "aggregate_type", "aggregate_id"],
-        set_={"revision": upsert.excluded.revision,
-              "updated_at_ms": upsert.excluded.updated_at_ms},
-        where=inbox_heads.c.revision < upsert.excluded.revision,
-    ).compile(dialect=dialect)
-    assert compiled.positiontup is not None, "SQLite's paramstyle is positional"
-    return str(compiled), tuple(compiled.positiontup)
-
-
-def _heads_query() -> Any:
-    """The PostgreSQL upsert of :func:`_upsert_heads`."""
-    given = json_recordset(
-        "b_heads", column("t", String), column("i", String), column("r", BigInteger)
-    )
-    ins = postgresql.insert(inbox_heads).from_select(
-        ["group_name", "aggregate_type", "aggregate_id", "revision", "updated_at_ms"],
-        select(bindparam("b_group", type_=String), given.c.t, given.c.i, given.c.r,
-               bindparam("b_now", type_=BigInteger)),
-    )
-    return ins.on_conflict_do_update(
-        index_elements=["group_name", "aggregate_type", "aggregate_id"],
-        set_={"revision": ins.excluded.revision, "updated_at_ms": ins.excluded.updated_at_ms},
-        where=inbox_heads.c.revision < ins.excluded.revision,
-    )
 
 
 def retrying(

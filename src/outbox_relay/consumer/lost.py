@@ -28,7 +28,8 @@ from sqlalchemy import Connection, Engine, delete, insert, select, tuple_
 
 from outbox_relay.consumer.streams import Entry, RawFields
 from outbox_relay.shared import keys
-from outbox_relay.shared.db import now_ms, translate_errors
+from outbox_relay.shared.db import now_ms
+from outbox_relay.shared.db_errors import translate_errors
 from outbox_relay.shared.envelope import JSON_CONTENT_TYPE, SPECVERSION
 from outbox_relay.shared.schema import consumer_retries, inbox, outbox
 

@@ -2,9 +2,9 @@
 
 Three kinds, by what they cost:
 
-- Counters the consumer already keeps (:class:`ConsumerStats`, group hygiene, retention, the
-  app's own such as the run worker and sweeper through ``Handlers.observe``), read at scrape
-  time (:class:`shared.metrics.StatsCollector`).
+- Counters the consumer already keeps (:class:`consumer.counters.ConsumerStats`, group
+  hygiene, retention, the app's own such as the run worker and sweeper through
+  ``Handlers.observe``), read at scrape time (:class:`shared.metrics.StatsCollector`).
 - On the hot path: ``outbox_consumer_outcomes_total{group,type,outcome,reason}`` and
   ``outbox_consumer_retries_total{group,type,reason}`` (counted per batch in a dict, then one
   ``inc`` per label set), the claim transaction's duration (one observation per batch) and
@@ -37,7 +37,7 @@ from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from sqlalchemy import Connection
 
-from outbox_relay.consumer import inbox, streams
+from outbox_relay.consumer import group_status, inbox
 from outbox_relay.consumer.handlers import Handler
 from outbox_relay.consumer.ordering import DEAD, DUPLICATE, FAILED, Outcome
 from outbox_relay.shared import keys
@@ -286,7 +286,7 @@ class StreamsCollector(Collector):
                 oldest.add_metric(values, max(age_ms, 0) / 1000)
             found = _group_info(groups, group)
             behind = None if found is None or not isinstance(newest, list) else \
-                streams.unread(found, newest)
+                group_status.unread(found, newest)
             if behind is not None:
                 lag.add_metric(values, behind)
             if isinstance(dead_len, int):

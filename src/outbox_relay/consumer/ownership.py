@@ -1,6 +1,6 @@
 """Every SQL statement of consumer leases: one owner per consumer group and partition stream.
 
-Like a Kafka partition assignment, and like the relay's partition leases (relay/store.py): the
+Like a Kafka partition assignment, and like the relay's partition leases (relay/leases.py): the
 consumers of a group lease the partition streams they read, a lease row per group and
 ``(stream, partition)`` with an owner, an expiry and a fencing epoch that every takeover bumps.
 Each consumer heartbeats a node row; the live nodes of a group decide the fair share.
@@ -28,7 +28,8 @@ from typing import Any
 from sqlalchemy import Connection, Engine, and_, delete, func, or_, select, tuple_, update
 from sqlalchemy.dialects import postgresql, sqlite
 
-from outbox_relay.shared.db import db_now_ms, is_postgres, translate_errors
+from outbox_relay.shared.db import db_now_ms, is_postgres
+from outbox_relay.shared.db_errors import translate_errors
 from outbox_relay.shared.errors import LeaseLostError
 from outbox_relay.shared.schema import consumer_leases as leases
 from outbox_relay.shared.schema import consumer_nodes as nodes

@@ -53,7 +53,8 @@ from sqlalchemy import Connection, Engine, and_, delete, func, or_, select, tupl
 
 from outbox_relay.consumer.ordering import APPLIED, SUPERSEDED
 from outbox_relay.shared import keys
-from outbox_relay.shared.db import db_now_ms, is_postgres, translate_errors
+from outbox_relay.shared.db import db_now_ms, is_postgres
+from outbox_relay.shared.db_errors import translate_errors
 from outbox_relay.shared.redis_conn import translate_redis_errors
 from outbox_relay.shared.schema import (
     consumer_retries,

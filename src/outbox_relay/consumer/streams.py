@@ -1,4 +1,7 @@
-"""Every Redis command of the consumer: groups, read, autoclaim, pending, ack, dead letters.
+"""The consumer's Redis commands: groups, read, take over, delivery counts, ack, dead letters.
+
+What a group has pending or unread (read-only ``XPENDING`` and ``XINFO``) is read by
+:mod:`consumer.group_status`.
 
 Reads are bounded in memory (issue 28, finding 6): an entry larger than ``max_entry_bytes``
 never leaves Redis. ``XREADGROUP`` runs inside a small script (:data:`READ_BOUNDED`) that
@@ -249,7 +252,7 @@ def with_delivery_counts(
         for e in entries:
             by_key.setdefault(e.key, []).append(e)
         for key, items in by_key.items():
-            ids = sorted((e.entry_id for e in items), key=_id_tuple)
+            ids = sorted((e.entry_id for e in items), key=id_tuple)
             rows: Any = client.xpending_range(
                 key, group, min=ids[0], max=ids[-1], count=len(ids) * 2 + 10,
                 consumername=consumer,
@@ -323,7 +326,8 @@ def text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
-def _id_tuple(entry_id: str) -> tuple[int, int]:
+def id_tuple(entry_id: str) -> tuple[int, int]:
+    """An entry id as ``(ms, seq)``, the order of ids."""
     ms, _, seq = entry_id.partition("-")
     return int(ms), int(seq or 0)
 
@@ -383,122 +387,3 @@ def take_over(
     if trimmed:
         log.warning("%d pending entries of %s were trimmed away", len(trimmed), key)
     return moved, trimmed
-
-
-def group_pending(client: redis.Redis, stream_keys: list[str], group: str) -> dict[str, int]:
-    """How many entries of ``group`` are pending on each key (all consumers), pipelined."""
-    if not stream_keys:
-        return {}
-    with translate_redis_errors():
-        pipe = client.pipeline(transaction=False)
-        for key in stream_keys:
-            pipe.xpending(key, group)
-        replies: Any = pipe.execute()
-    return {key: int(reply["pending"]) for key, reply in zip(stream_keys, replies, strict=True)}
-
-
-def group_idle(client: redis.Redis, stream_keys: list[str], group: str) -> bool:
-    """Whether ``group`` has nothing pending (all consumers, retries waiting included) and
-    nothing unread on every one of ``stream_keys`` (``XPENDING`` summaries, ``XINFO GROUPS``
-    and each stream's newest id, pipelined; see :func:`unread`). A stream that does not exist
-    holds nothing; one without the group, or a reply Redis refused, is not idle."""
-    if not stream_keys:
-        return True
-    with translate_redis_errors():
-        pipe = client.pipeline(transaction=False)
-        for key in stream_keys:
-            pipe.exists(key)
-            pipe.xpending(key, group)
-            pipe.xinfo_groups(key)
-            pipe.xrevrange(key, count=1)
-        replies: list[Any] = pipe.execute(raise_on_error=False)
-    for i in range(0, len(replies), 4):
-        exists, pending, groups, newest = replies[i:i + 4]
-        if exists == 0:
-            continue
-        if any(isinstance(r, Exception) for r in (exists, pending, groups, newest)):
-            return False
-        info = next((g for g in groups if text(g["name"]) == group), None)
-        if info is None or int(pending["pending"]) or unread(info, newest) != 0:
-            return False
-    return True
-
-
-def outstanding(
-    client: redis.Redis, stream_keys: list[str], group: str
-) -> tuple[int, int | None]:
-    """``(pending, unread)`` of ``group`` summed over ``stream_keys``: entries delivered and
-    not acknowledged (retries waiting included), and entries not read yet (:func:`unread`;
-    None when Redis cannot tell for some stream). One pipeline; a stream that does not
-    exist, or lacks the group, adds nothing."""
-    if not stream_keys:
-        return 0, 0
-    with translate_redis_errors():
-        pipe = client.pipeline(transaction=False)
-        for key in stream_keys:
-            pipe.xpending(key, group)
-            pipe.xinfo_groups(key)
-            pipe.xrevrange(key, count=1)
-        replies: list[Any] = pipe.execute(raise_on_error=False)
-    pending, behind = 0, 0
-    unknown = False
-    for i in range(0, len(replies), 3):
-        summary, groups, newest = replies[i:i + 3]
-        if any(isinstance(r, Exception) for r in (summary, groups, newest)):
-            continue  # no such key or group: nothing of ours there
-        info = next((g for g in groups if text(g["name"]) == group), None)
-        if info is None:
-            continue
-        pending += int(summary["pending"])
-        lag = unread(info, newest)
-        unknown = unknown or lag is None
-        behind += lag or 0
-    return pending, None if unknown else behind
-
-
-def foreign_pending(
-    client: redis.Redis, stream_keys: list[str], group: str, consumer: str
-) -> set[str]:
-    """The keys on which another consumer of ``group`` holds pending entries (``XPENDING``
-    summaries, pipelined).
-
-    The owner of a partition stream asks after each read: a consumer that lost the lease can
-    still have had a read executed by Redis after the takeover (its process paused between its
-    lease check and the send), leaving older entries in its pending list; the owner must take
-    those over and apply them first, never read past them.
-    """
-    if not stream_keys:
-        return set()
-    with translate_redis_errors():
-        pipe = client.pipeline(transaction=False)
-        for key in stream_keys:
-            pipe.xpending(key, group)
-        replies: Any = pipe.execute()
-    me = consumer.encode()
-    return {
-        key for key, reply in zip(stream_keys, replies, strict=True)
-        if any(_bytes(c["name"]) != me for c in reply.get("consumers") or [])
-    }
-
-
-def unread(group_info: Mapping[str, Any], newest: list[Any] | None) -> int | None:
-    """How many entries of a stream ``group`` has not read: 0 when the group's last-delivered
-    id is at or above the stream's newest entry (``newest``: the reply of
-    ``XREVRANGE key + - COUNT 1``; ``None`` when not known), else ``XINFO GROUPS``' lag
-    (``None`` when Redis cannot tell).
-
-    Redis's lag is ``entries-added - entries-read``, and a replica's copy of a group has no
-    valid ``entries-read`` (Redis 7.0 does not replicate it with the reads): after a failover
-    the promoted replica estimates it, and on a trimmed stream the estimate can stay a few
-    entries short for good, showing a lag that no entry is behind. The id comparison is exact.
-    """
-    last = group_info.get("last-delivered-id")
-    if newest is not None and (not newest or (last is not None and _id_tuple(
-            text(newest[0][0])) <= _id_tuple(text(last)))):
-        return 0
-    lag = group_info.get("lag")
-    return None if lag is None else int(lag)
-
-
-def _bytes(value: bytes | str) -> bytes:
-    return value if isinstance(value, bytes) else value.encode()

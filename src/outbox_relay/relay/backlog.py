@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from sqlalchemy import Engine, func, select
 
-from outbox_relay.shared.db import translate_errors
+from outbox_relay.shared.db_errors import translate_errors
 from outbox_relay.shared.schema import outbox
 
 

@@ -26,20 +26,30 @@ import socket
 import sys
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import redis
 from sqlalchemy import Engine
 
-from outbox_relay.relay import append, backlog, outgoing, refusals, repair, store, trim
+from outbox_relay.relay import (
+    append,
+    backlog,
+    counters,
+    in_flight,
+    outgoing,
+    refusals,
+    repair,
+    store,
+    trim,
+)
+from outbox_relay.relay.leases import acquire_leases, release_leases
 from outbox_relay.relay.prune import PruneStats
 from outbox_relay.relay.wakeup import Wakeup
 from outbox_relay.shared import faults, keys, partition_counts
 from outbox_relay.shared.daemon_control import Backoff, stop_on_signals
 from outbox_relay.shared.db import is_postgres, now_ms
-from outbox_relay.shared.errors import LeaseLostError, StreamBehindError, UnavailableError
+from outbox_relay.shared.errors import LeaseLostError, UnavailableError
 from outbox_relay.shared.periodic import Periodic, run_due
 from outbox_relay.shared.periodic import shutdown as shutdown_periodic
 from outbox_relay.shared.progress import Progress, age_text
@@ -57,21 +67,6 @@ log = logging.getLogger(__name__)
 SWITCH_INTERVAL_S = 0.0002
 
 
-@dataclass
-class RelayStats:
-    """Counters since start (logged at shutdown, read by tests and benchmarks)."""
-
-    rounds: int = 0
-    delivered: int = 0
-    already_present: int = 0
-    ordering_gaps: int = 0
-    failed: int = 0
-    not_appended: int = 0  # rows left behind a gap or refusal in their stream (taken again)
-    unknown_outcomes: int = 0
-    lease_losses: int = 0
-    lease_acquisitions: int = 0  # partitions taken (or taken again under a new epoch)
-
-
 class Relay:
     """A relay process's state: its node id, leases, clients and counters."""
 
@@ -81,7 +76,7 @@ class Relay:
         self.client = client
         self.node_id = settings.node_id or f"{socket.gethostname()}:{os.getpid()}"
         self.leases: dict[int, int] = {}
-        self.stats = RelayStats()
+        self.stats = counters.RelayStats()
         self.wakeup = Wakeup(settings.poll_min_ms, settings.poll_max_ms)
         self.repairer = repair.Repairer(settings, engine, client, self.node_id)
         # Streams whose append Redis refused wait with backoff, alone (relay/refusals.py).
@@ -152,7 +147,7 @@ class Relay:
         """SIGTERM and SIGINT stop the loop gracefully."""
         stop_on_signals(self.stop, log, "round")
 
-    def run(self, *, until_idle: bool = False) -> RelayStats:
+    def run(self, *, until_idle: bool = False) -> counters.RelayStats:
         """Relay until stopped (or, with ``until_idle``, until a round finds nothing to do here
         and no other relay holds rows to send, or after ``startup_timeout_s`` of rounds that all
         failed ``unavailable``)."""
@@ -271,15 +266,17 @@ class Relay:
         At a trickle a round takes a few rows in each notified partition: one take and one
         settle transaction for all of them, instead of two per partition, is what keeps the
         time from commit to ``XADD`` short. A partition whose append fails with an unknown
-        outcome stops the round (its rows are recorded as such, :meth:`_finish`): the batches
-        appended before it are settled first, the ones after it stay recorded on their lease
-        rows and are retried under the same ids by the next round.
+        outcome stops the round (its rows are recorded as such,
+        :func:`relay.in_flight.finish`): the batches appended before it are settled first, the
+        ones after it stay recorded on their lease rows and are retried under the same ids by
+        the next round.
         """
         landed: list[tuple[list[outgoing.OutboxRow], append.Verdicts]] = []
         error: UnavailableError | None = None
         for partition, rows in taken.items():
             try:
-                landed.append((rows, self._finish(_Append(self, rows, epochs[partition]), rows)))
+                flight = in_flight.InFlight(self, rows, epochs[partition])
+                landed.append((rows, in_flight.finish(self, flight, rows)))
             except LeaseLostError:
                 self._lease_lost(partition, epochs[partition])
             except UnavailableError as err:
@@ -349,20 +346,20 @@ class Relay:
             )
 
         if not chained(current):  # nothing to overlap with: append inline
-            verdicts = self._finish(_Append(self, current, epoch), current)
+            verdicts = in_flight.finish(self, in_flight.InFlight(self, current, epoch), current)
             self._settle(partition, epoch, current, verdicts, None)
             return self._more(current, verdicts)
-        flight: _Append | None = _Append(self, current, epoch).start()
+        flight: in_flight.InFlight | None = in_flight.InFlight(self, current, epoch).start()
         following = self._take(partition, epoch, _last_seq(current), inflight=current)
         try:
             while True:
                 assert flight is not None
-                verdicts = self._finish(flight, current)
+                verdicts = in_flight.finish(self, flight, current)
                 flight = None
                 if not verdicts.complete:  # `following` must not overtake what is left behind
                     self._settle(partition, epoch, current, verdicts, None)
                     return self._more(current, verdicts)
-                flight = _Append(self, following, epoch).start() if following else None
+                flight = in_flight.InFlight(self, following, epoch).start() if following else None
                 after = _last_seq(following) if following and chained(following) else None
                 taken = self._settle(partition, epoch, current, verdicts, after, following)
                 more = self._more(current, verdicts)
@@ -400,42 +397,6 @@ class Relay:
         if rows:
             faults.point("relay.after_take")
         return rows
-
-    def _append(
-        self, rows: list[outgoing.OutboxRow], epoch: int
-    ) -> tuple[append.Verdicts, bool]:
-        """The Redis side of a batch: the append script, then the optional durability barrier."""
-        s = self.settings
-        started = time.perf_counter()
-        verdicts = append.append(self.client, s.key_prefix, rows, epoch, s.stream_maxlen_unsafe,
-                                 self.repairer.floors, self.repairer.signer)
-        if self.metrics is not None:
-            self.metrics.appended(len(rows), verdicts, time.perf_counter() - started)
-        confirmed = not verdicts.delivered or append.durability_barrier(
-            self.client, s.wait_replicas, s.wait_timeout_ms, s.wait_aof,
-            sorted({keys.stream_key(s.key_prefix, r.stream, r.partition) for r in rows}),
-        )
-        return verdicts, confirmed
-
-    def _finish(self, flight: _Append, rows: list[outgoing.OutboxRow]) -> append.Verdicts:
-        """Wait for a batch's append; an unknown outcome is recorded and re-raised."""
-        try:
-            verdicts, confirmed = flight.result()
-        except UnavailableError as err:
-            code = "unknown_outcome"
-            if isinstance(err, StreamBehindError):  # Redis lost data: refill before appending
-                self.repairer.check_soon()
-                code = err.code  # what `outbox status` shows as the rows' last error
-            self.stats.unknown_outcomes += len(rows)
-            if self.metrics is not None:
-                self.metrics.append_failed(code, len(rows))
-            store.record_unknown(self.engine, rows[0].partition, [r.seq for r in rows], code)
-            raise
-        if not confirmed:
-            log.warning("durability barrier not met; %d entries stay unmarked", len(rows))
-            raise UnavailableError("replicas did not confirm the batch in time")
-        faults.point("relay.after_xadd")
-        return verdicts
 
     def _settle(
         self,
@@ -501,7 +462,7 @@ class Relay:
         if now < self._next_lease_check:
             return
         s = self.settings
-        leases = store.acquire_leases(self.engine, self.node_id, s.partitions, s.lease_ttl_ms)
+        leases = acquire_leases(self.engine, self.node_id, s.partitions, s.lease_ttl_ms)
         self.leases_tried_at = now  # a lease round that succeeded (readiness)
         self.stats.lease_acquisitions += sum(self.leases.get(p) != e for p, e in leases.items())
         self.leases = leases
@@ -515,7 +476,7 @@ class Relay:
         if not self.leases:
             return
         try:
-            store.release_leases(self.engine, self.node_id, self.leases)
+            release_leases(self.engine, self.node_id, self.leases)
         except UnavailableError:
             log.warning("could not release leases; they expire by themselves")
         self.leases = {}
@@ -526,46 +487,3 @@ def _last_seq(rows: list[outgoing.OutboxRow]) -> int:
     """The greatest seq of a batch (rows are in id order, which is seq order but for rows an
     earlier relay version took)."""
     return max(r.seq for r in rows)
-
-
-class _Append:
-    """One batch's append, inline (``result`` runs it) or on the relay's append thread (``start``).
-
-    The append thread is long-lived: starting a thread per batch made the relay thread wait
-    for the new thread to be scheduled (≈6 ms per batch on a loaded 2-core machine, 12% of a
-    backlog drain). Still one batch in flight at a time: ``start`` follows the previous
-    batch's ``result``.
-    """
-
-    def __init__(self, relay: Relay, rows: list[outgoing.OutboxRow], epoch: int) -> None:
-        self._relay, self._rows, self._epoch = relay, rows, epoch
-        self._future: Future[None] | None = None
-        self._outcome: tuple[append.Verdicts, bool] | None = None
-        self._error: BaseException | None = None
-
-    def start(self) -> _Append:
-        self._future = self._relay.append_thread().submit(self._run)
-        return self
-
-    def _run(self) -> None:
-        try:
-            self._outcome = self._relay._append(self._rows, self._epoch)
-        except BaseException as err:  # handed to the relay thread by result()
-            self._error = err
-
-    def result(self) -> tuple[append.Verdicts, bool]:
-        if self._future is None:
-            self._run()
-        else:
-            self._future.result()  # _run keeps its own error
-        if self._error is not None:
-            raise self._error
-        assert self._outcome is not None
-        return self._outcome
-
-    def wait_quietly(self) -> None:
-        """Let an in-flight append finish; its rows stay unmarked and are retried by id."""
-        if self._future is not None:
-            self._future.result()
-        if self._error is not None:
-            log.debug("in-flight append failed during an error", exc_info=self._error)

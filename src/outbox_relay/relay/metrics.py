@@ -2,9 +2,9 @@
 
 Three kinds, by what they cost:
 
-- Counters of :class:`RelayStats` and :class:`RepairStats` (rows delivered, lease losses and
-  acquisitions, refills, rebuilds …): the relay already counts them; they are read at scrape
-  time (:class:`shared.metrics.StatsCollector`), nothing is added to the hot path.
+- Counters of :class:`relay.counters.RelayStats` and :class:`RepairStats` (rows delivered,
+  lease losses and acquisitions, refills, rebuilds …): the relay already counts them; they are
+  read at scrape time (:class:`shared.metrics.StatsCollector`), nothing is added to the hot path.
 - Per batch, on the hot path (two histogram observations per ``XADD`` script call, a few µs
   against milliseconds): ``outbox_relay_batch_size``, ``outbox_relay_append_duration_seconds``,
   and ``outbox_relay_append_errors_total{reason}`` when Redis refuses rows or the outcome of an

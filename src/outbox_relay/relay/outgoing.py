@@ -1,12 +1,14 @@
 """The outgoing batch: which rows of a partition go out next, and under which ids (SQL).
 
-The relay's SQL (SQLAlchemy Core) is in two modules. :mod:`relay.store` opens every
-transaction: partition leases and the fence, :func:`relay.store.take_batch`, settling (marking rows
-delivered or failed), :func:`relay.store.record_unknown` and the repair's queries. This module
-runs inside the transaction a take or a settle opened, after the lease was fenced: it chooses
-a batch — the candidates in ``seq`` order, the hold-back of a row behind an earlier undelivered
-row of its aggregate (:func:`_select_sendable`), the retry of a recorded batch under its
-recorded ids (:func:`recorded_rows`) — and records it in the lease row as JSON (:class:`Batch`).
+The relay's SQL (SQLAlchemy Core) is in five modules. :mod:`relay.store` opens the take and
+settle transactions (:func:`relay.store.take_batch`, settling: marking rows delivered or
+failed, :func:`relay.store.record_unknown`), :mod:`relay.leases` holds the partition leases and
+their fence, :mod:`relay.stream_book` the known streams and their trims, and
+:mod:`relay.repair_store` the repair's queries. This module runs inside the transaction a take
+or a settle opened, after the lease was fenced: it chooses a batch — the candidates in ``seq``
+order, the hold-back of a row behind an earlier undelivered row of its aggregate
+(:func:`_select_sendable`), the retry of a recorded batch under its recorded ids
+(:func:`recorded_rows`) — and records it in the lease row as JSON (:class:`Batch`).
 It opens no transaction and never re-checks the lease itself.
 """
 

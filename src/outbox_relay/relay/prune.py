@@ -33,7 +33,8 @@ from typing import Any
 
 from sqlalchemy import Engine, delete, func, select
 
-from outbox_relay.shared.db import db_now_ms, delete_in_batches, is_postgres, translate_errors
+from outbox_relay.shared.db import db_now_ms, delete_in_batches, is_postgres
+from outbox_relay.shared.db_errors import translate_errors
 from outbox_relay.shared.schema import outbox, stream_trims
 
 

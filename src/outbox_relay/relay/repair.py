@@ -44,7 +44,7 @@ Only rows at or above the stream's **trim floor** count, are compared and are pu
 :mod:`relay.trim` removed because every group had acknowledged it is never re-added. A stream
 whose every delivered entry was trimmed and then lost gets its last id raised back instead.
 
-Its SQL is in :mod:`relay.store`, its Redis commands in :mod:`relay.repair_streams`.
+Its SQL is in :mod:`relay.repair_store`, its Redis commands in :mod:`relay.repair_streams`.
 """
 
 from __future__ import annotations
@@ -58,8 +58,9 @@ from dataclasses import dataclass, field
 import redis
 from sqlalchemy import Engine
 
-from outbox_relay.relay import append, entry_ids, outgoing, store
+from outbox_relay.relay import append, entry_ids, outgoing, repair_store
 from outbox_relay.relay import repair_streams as streams
+from outbox_relay.relay.leases import renew_lease
 from outbox_relay.relay.repair_streams import Entry, StreamState
 from outbox_relay.shared import keys
 from outbox_relay.shared.db import now_ms
@@ -121,7 +122,7 @@ def compare(
     state = streams.stream_state(client, key)
     # Even with nothing above the trim floor: a stream trimmed to nothing and then lost must
     # get its last id back before anything newer is appended.
-    newest = store.newest_delivered_id(engine, stream, partition)
+    newest = repair_store.newest_delivered_id(engine, stream, partition)
     reason = None
     if delivered and not state.exists:
         reason = "stream_missing"
@@ -148,7 +149,7 @@ def repair(
     meanwhile) falls back to a rebuild.
     """
     top = finding.state.top
-    above = store.delivered_rows(engine, finding.stream, finding.partition, after=top)
+    above = repair_store.delivered_rows(engine, finding.stream, finding.partition, after=top)
     at_or_below = finding.delivered - len(above)
     present = finding.state.entries_added if maxlen else finding.state.length
     added = 0
@@ -158,7 +159,7 @@ def repair(
             if not above and finding.newest is not None:  # all trimmed on purpose, then lost
                 streams.raise_top(client, finding.key, finding.fence, epoch, finding.newest)
             return "refill", added
-    rows = store.delivered_rows(engine, finding.stream, finding.partition)
+    rows = repair_store.delivered_rows(engine, finding.stream, finding.partition)
     restored = rebuild(client, finding, epoch, rows, maxlen, chunk, signer)
     if restored is None:
         return "changed", added
@@ -262,14 +263,14 @@ def settle_foreign(
     entry above the ceiling is adopted when within :data:`ADOPT_AHEAD_MS` of the clock, else
     set back the same way. Raises :class:`LeaseLostError` when the lease is gone."""
     state, partition = finding.state, finding.partition
-    last = store.last_assigned(engine, partition)
+    last = repair_store.last_assigned(engine, partition)
     if not entry_ids.greater(state.top, last):
         return None
     above = streams.entry_ids_above(client, finding.key, last)
-    ours = store.accounted_ids(engine, finding.stream, partition, above)
+    ours = repair_store.accounted_ids(engine, finding.stream, partition, above)
     ceiling = max([last, *ours], key=entry_ids.parse)
     if ceiling != last:  # ids an outbox row holds (an earlier relay version's): ours
-        store.raise_last_assigned(engine, partition, node_id, epoch, ttl_ms, ceiling)
+        repair_store.raise_last_assigned(engine, partition, node_id, epoch, ttl_ms, ceiling)
     # Entries below the clock are passed by the relay's next ids (``<now ms>-<seq>``, relay/
     # entry_ids.py): they halt nothing and stay for the consumers (which dead-letter what is
     # invalid or unsigned). Only those the relay's ids cannot pass are moved.
@@ -282,13 +283,13 @@ def settle_foreign(
         if not entry_ids.greater(state.top, ceiling):
             return None
         if entry_ids.parse(state.top)[0] <= now + ADOPT_AHEAD_MS:
-            store.raise_last_assigned(engine, partition, node_id, epoch, ttl_ms, state.top)
+            repair_store.raise_last_assigned(engine, partition, node_id, epoch, ttl_ms, state.top)
             log.warning("repair: %s: its last id %s is above every id the relay assigned "
                         "(%s) but holds no entry there; the relay's ids continue above it",
                         finding.key, state.top, ceiling)
             return 0, "adopted"
-    store.renew_lease(engine, partition, node_id, epoch, ttl_ms)
-    rows = store.delivered_rows(engine, finding.stream, partition)
+    renew_lease(engine, partition, node_id, epoch, ttl_ms)
+    rows = repair_store.delivered_rows(engine, finding.stream, partition)
     if rebuild(client, finding, epoch, rows, maxlen, chunk, signer, ceiling=ceiling) is None:
         log.warning("repair of %s (foreign_entry) starts over: the stream changed meanwhile",
                     finding.key)
@@ -358,7 +359,7 @@ class Repairer:
         """Check every stream of the given ``{partition: epoch}`` leases and repair what lags."""
         s = self.settings
         self.stats.checks += 1
-        counts = store.delivered_counts(self.engine, sorted(leases))
+        counts = repair_store.delivered_counts(self.engine, sorted(leases))
         self.streams = set(counts)
         asked, self._asked = self._asked, set()
         for pair in asked:
@@ -395,7 +396,7 @@ class Repairer:
         this stream above its hole meanwhile (its appends answer BEHIND), others go on."""
         s = self.settings
         try:
-            store.renew_lease(self.engine, finding.partition, self.node_id, epoch,
+            renew_lease(self.engine, finding.partition, self.node_id, epoch,
                               s.lease_ttl_ms)
         except LeaseLostError:
             log.warning("repair of %s skipped: partition lease lost", finding.key)
@@ -418,10 +419,10 @@ class Repairer:
         return n
 
     def _reset_unreachable(self, partition: int, epoch: int) -> None:
-        """:func:`store.reset_unreachable_last`: a lease row an earlier version left out of
-        reach (it adopted a foreign maximum id) gets a last id new batches can follow."""
+        """:func:`relay.repair_store.reset_unreachable_last`: a lease row an earlier version left
+        out of reach (it adopted a foreign maximum id) gets a last id new batches can follow."""
         try:
-            reset = store.reset_unreachable_last(self.engine, partition, self.node_id, epoch,
+            reset = repair_store.reset_unreachable_last(self.engine, partition, self.node_id, epoch,
                                                  self.settings.lease_ttl_ms)
         except LeaseLostError:
             return

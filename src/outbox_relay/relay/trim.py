@@ -54,7 +54,8 @@ from dataclasses import dataclass
 import redis
 from sqlalchemy import Engine
 
-from outbox_relay.relay import entry_ids, fence, store
+from outbox_relay.relay import entry_ids, fence, stream_book
+from outbox_relay.relay.leases import database_now
 from outbox_relay.shared import keys
 from outbox_relay.shared.errors import LeaseLostError
 from outbox_relay.shared.redaction import redact_url
@@ -182,11 +183,11 @@ class Trimmer:
             return 0
         removed = 0
         caps: dict[int, int | None] = {}
-        known = store.known_groups(self.engine, sorted(leases))
-        now = store.database_now(self.engine)
+        known = stream_book.known_groups(self.engine, sorted(leases))
+        now = database_now(self.engine)
         for stream, partition in sorted(k for k in streams if k[1] in leases):
             if partition not in caps:
-                caps[partition] = store.unsettled_ms(self.engine, partition)
+                caps[partition] = stream_book.unsettled_ms(self.engine, partition)
             try:
                 removed += self.trim(stream, partition, leases[partition], caps[partition],
                                      known.get((stream, partition), {}), now=now)
@@ -212,18 +213,18 @@ class Trimmer:
     ) -> int:
         """Trim one stream as the owner of ``epoch``, then record its floor and the groups
         seen; entries removed. ``cap_ms``: the partition's oldest unsettled batch
-        (:func:`relay.store.unsettled_ms`); nothing from that millisecond up is trimmed.
+        (:func:`relay.stream_book.unsettled_ms`); nothing from that millisecond up is trimmed.
         ``known``: the groups known to read the stream (``{name: missing since ms or None}``,
-        :func:`relay.store.known_groups`; read here when not given); if one is missing,
+        :func:`relay.stream_book.known_groups`; read here when not given); if one is missing,
         nothing is trimmed. ``now``: the database's clock (read here when not given), never
         this host's: the keep-for cutoff is compared with entry ids, whose milliseconds are
         the database's, and "missing since" with times other relay hosts recorded."""
         s = self.settings
         if known is None:
-            known = store.known_groups(self.engine, [partition]).get((stream, partition), {})
+            known = stream_book.known_groups(self.engine, [partition]).get((stream, partition), {})
         declared = self.declared.get(stream, [])
         if now is None:
-            now = store.database_now(self.engine)
+            now = database_now(self.engine)
         cutoff = now - int(s.stream_keep_s * 1000)
         reply = fence.run_fenced(
             self.client,
@@ -239,7 +240,7 @@ class Trimmer:
             self._note_groups(stream, partition, known, _names(reply[3]), _names(reply[4]), now)
         floor = threshold.decode() if isinstance(threshold, bytes) else str(threshold)
         if floor and entry_ids.greater(floor, entry_ids.ZERO):
-            store.record_trim(self.engine, stream, partition, floor, trimmed, now)
+            stream_book.record_trim(self.engine, stream, partition, floor, trimmed, now)
         if trimmed:
             self.stats.trimmed_entries += trimmed
             log.debug("trimmed %d entries of %s:%s below %s", trimmed, stream, partition, floor)
@@ -274,7 +275,7 @@ class Trimmer:
                         "trimming resumes without it", group, stream, partition, limit,
                         extra={"stream": stream, "partition": partition, "group": group})
         if new or back or gone or forget:
-            store.record_groups(self.engine, stream, partition, seen=new + back, missing=gone,
+            stream_book.record_groups(self.engine, stream, partition, seen=new + back, missing=gone,
                                 forget=forget, now=now)
 
 

@@ -20,7 +20,7 @@ from typing import Generic, TypeVar
 
 from sqlalchemy import Connection, Engine
 
-from outbox_relay.shared.db import translate_errors
+from outbox_relay.shared.db_errors import translate_errors
 
 log = logging.getLogger(__name__)
 

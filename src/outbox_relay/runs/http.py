@@ -47,7 +47,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from outbox_relay.runs.auth import ANONYMOUS, Caller, CreateLimit, Tokens
 from outbox_relay.runs.snapshot import RunSnapshot
 from outbox_relay.runs.store import RunRow, RunStore
-from outbox_relay.shared.db import translate_errors
+from outbox_relay.shared.db_errors import translate_errors
 from outbox_relay.shared.errors import (
     CannotConnectError,
     ConflictError,

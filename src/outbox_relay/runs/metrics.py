@@ -17,7 +17,7 @@ from sqlalchemy import Engine, func, select
 from outbox_relay.runs import pipeline as rs
 from outbox_relay.runs.pipeline import Pipeline
 from outbox_relay.runs.schema import runs
-from outbox_relay.shared.db import translate_errors
+from outbox_relay.shared.db_errors import translate_errors
 from outbox_relay.shared.errors import OutboxError
 
 log = logging.getLogger(__name__)

@@ -24,7 +24,8 @@ from sqlalchemy import Engine, delete, func, select
 
 from outbox_relay.runs import pipeline as rs
 from outbox_relay.runs.schema import runs
-from outbox_relay.shared.db import db_now_ms, delete_in_batches, is_postgres, translate_errors
+from outbox_relay.shared.db import db_now_ms, delete_in_batches, is_postgres
+from outbox_relay.shared.db_errors import translate_errors
 
 
 def prune_terminal_runs(

@@ -24,7 +24,7 @@ from sqlalchemy import (
     text,
 )
 
-from outbox_relay.shared import db
+from outbox_relay.shared import db, db_errors
 from outbox_relay.shared.schema import metadata as core_metadata
 
 metadata = MetaData(naming_convention=core_metadata.naming_convention)
@@ -53,7 +53,7 @@ MIGRATIONS = db.Migrations(Path(__file__).with_name("migrations"), "outbox_runs_
 
 def in_use(engine: Engine) -> bool:
     """True when the runs migrations ever ran here (``outbox db upgrade --runs``)."""
-    with db.translate_errors(), engine.connect() as conn:
+    with db_errors.translate_errors(), engine.connect() as conn:
         return MIGRATIONS.database_revision(conn) is not None
 
 

@@ -20,7 +20,8 @@ from sqlalchemy import Engine
 from outbox_relay.runs import pipeline as rs
 from outbox_relay.runs.settings import RunSettings
 from outbox_relay.runs.store import RunStore
-from outbox_relay.shared.db import now_ms, translate_errors
+from outbox_relay.shared.db import now_ms
+from outbox_relay.shared.db_errors import translate_errors
 from outbox_relay.shared.errors import (
     ConflictError,
     InvalidTransitionError,

@@ -50,7 +50,8 @@ from outbox_relay.runs.settings import RunSettings
 from outbox_relay.runs.store import RunRow, RunStore, store_for
 from outbox_relay.runs.sweeper import Sweeper
 from outbox_relay.shared import faults
-from outbox_relay.shared.db import make_engine, translate_errors
+from outbox_relay.shared.db import make_engine
+from outbox_relay.shared.db_errors import translate_errors
 from outbox_relay.shared.envelope import Event
 from outbox_relay.shared.errors import ConflictError, LeaseLostError, NotFoundError, OutboxError
 

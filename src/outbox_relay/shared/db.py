@@ -1,4 +1,7 @@
-"""Database engines, schema version checks and error wrapping.
+"""Database engines, schema version checks and the SQL both dialects share.
+
+Driver errors are put in our words by :mod:`shared.db_errors` (installed on every engine
+made here).
 
 SQLite is opened the way a durable queue needs it: WAL journal, ``synchronous=FULL``, foreign
 keys on, a busy timeout, and ``BEGIN IMMEDIATE`` for every transaction so that two writers
@@ -7,11 +10,9 @@ serialize at ``BEGIN`` instead of failing at the first write. PostgreSQL uses ps
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,11 +45,9 @@ from sqlalchemy.engine import URL, make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.sql.selectable import TableValuedAlias
 
+from outbox_relay.shared.db_errors import name_connect_errors, translate_errors, url_errors
 from outbox_relay.shared.errors import (
-    CannotConnectError,
     ConfigError,
-    OutboxError,
-    ReadOnlyError,
     SchemaNotReadyError,
     SchemaTooNewError,
     UnavailableError,
@@ -95,21 +94,21 @@ def make_engine(url: str, *, create: bool = True, **kwargs: Any) -> Engine:
     ``create=False`` (the daemons, the one-shot commands): a SQLite file that is not there is
     refused at connect (``schema_not_ready``, see :func:`_refuse_missing_file`), never created.
     """
-    with _url_errors(url):
+    with url_errors(url):
         parsed = _parse(url)
         if parsed.get_backend_name() == "sqlite":
             engine = create_engine(parsed, **kwargs)
             if not create and _sqlite_file(parsed) is not None:
                 _refuse_missing_file(engine, parsed.database or "")
             _tune_sqlite(engine)
-            _name_connect_errors(engine)
+            name_connect_errors(engine)
             return engine
         # No pool_pre_ping: it costs a round trip per transaction. A dropped connection fails
         # its statement instead, SQLAlchemy invalidates the pool, and every caller retries.
         kwargs.setdefault("connect_args", {"connect_timeout": 10})
         engine = create_engine(parsed, **kwargs)
         _custom_plans(engine)
-        _name_connect_errors(engine)
+        name_connect_errors(engine)
         return engine
 
 
@@ -119,7 +118,7 @@ def existing_engine(url: str, **kwargs: Any) -> Engine:
     created. The one-shot commands open their database this way (not ``db upgrade``, the demo,
     or the daemons, which wait for a database that is not there yet), so ``outbox status`` in
     the wrong directory never leaves an empty ``outbox.db`` behind."""
-    with _url_errors(url):
+    with url_errors(url):
         parsed = _parse(url)
     path = _sqlite_file(parsed)
     if path is not None and not path.exists():
@@ -167,17 +166,17 @@ def _refuse_missing_file(engine: Engine, name: str) -> None:
 
 def make_async_engine(url: str, **kwargs: Any) -> AsyncEngine:
     """An async engine (aiosqlite or psycopg async) with the same settings."""
-    with _url_errors(url):
+    with url_errors(url):
         parsed = _parse(url)
         if parsed.get_backend_name() == "sqlite":
             parsed = parsed.set(drivername="sqlite+aiosqlite")
             engine = create_async_engine(parsed, **kwargs)
             _tune_sqlite(engine.sync_engine)
-            _name_connect_errors(engine.sync_engine)
+            name_connect_errors(engine.sync_engine)
             return engine
         async_engine = create_async_engine(parsed, **kwargs)
         _custom_plans(async_engine.sync_engine)
-        _name_connect_errors(async_engine.sync_engine)
+        name_connect_errors(async_engine.sync_engine)
         return async_engine
 
 
@@ -200,98 +199,6 @@ def _custom_plans(engine: Engine) -> None:
         cursor.execute("SET plan_cache_mode = force_custom_plan")
         cursor.close()
         dbapi_connection.commit()
-
-
-@contextlib.contextmanager
-def _url_errors(url: str) -> Iterator[None]:
-    scheme, _, rest = url.partition("://")
-    userinfo = rest.split("?", 1)[0].rpartition("@")[0]
-    if not scheme.startswith("sqlite") and ((":" in userinfo and "@" in userinfo)
-                                            or "@" in (_host_of(url) or "")):
-        # SQLAlchemy ends the password at its first "@": the rest would be taken for the host
-        # (also when a "?" before that "@" looked like the start of the query)
-        raise ConfigError(f"invalid database URL {redact_url(url)}: percent-encode the "
-                          "password (an '@' in it is %40)")
-    try:
-        yield
-    except ImportError as err:  # the driver is not installed: name the extra that brings it
-        log.debug("database driver missing: %s", err)
-        extra = ("postgres" if url.startswith("postgres")
-                 else "sqlite-async" if "aiosqlite" in str(err) else None)
-        hint = f" (pip install 'outbox-relay[{extra}]')" if extra else ""
-        raise ConfigError(f"the driver for {redact_url(url)} is not installed{hint}") from None
-    except (exc.ArgumentError, ValueError) as err:  # ValueError: a bad port
-        log.debug("database URL error: %s", redact_url(str(err)))
-        raise ConfigError(f"invalid or unsupported database URL {redact_url(url)}") from None
-
-
-def _host_of(url: str) -> str | None:
-    """The host SQLAlchemy reads from ``url`` (None when it cannot parse it)."""
-    try:
-        return make_url(url).host
-    except (exc.ArgumentError, ValueError):
-        return None
-
-
-# Connection failures retrying cannot fix (matched on the driver's text, lower case).
-PERMANENT_CONNECT_FAILURES = (
-    "does not exist",  # database "x" / role "x" does not exist
-    "authentication failed",
-    "no password supplied",
-    "pg_hba.conf",
-    "failed to resolve host",
-    "could not translate host name",
-    "name or service not known",
-    "invalid connection option",
-    "invalid dsn",
-)
-
-
-def _name_connect_errors(engine: Engine) -> None:
-    """A failed *connect* names where and why, redacted: ``cannot connect to PostgreSQL at
-    host:5432/db (password hidden): database "x" does not exist``. Failures retrying cannot
-    fix (:data:`PERMANENT_CONNECT_FAILURES`) become :class:`CannotConnectError`, the others
-    :class:`UnavailableError` (retried). Errors on an open connection are left to
-    :func:`translate_errors`."""
-    url = engine.url
-
-    @event.listens_for(engine, "handle_error")
-    def _on_error(context: Any) -> None:
-        if url.get_backend_name() == "sqlite" and _read_only(context.original_exception):
-            name = url.database or ":memory:"
-            raise ReadOnlyError(f"the SQLite database {name} is read-only: we cannot write to "
-                                "it (the file's or its folder's permissions, a read-only "
-                                "mount, or mode=ro in the URL)") from None
-        if context.connection is not None or context.is_disconnect:
-            return  # not a connect: translate_errors says "unavailable"
-        reason = _driver_reason(str(context.original_exception))
-        if url.get_backend_name() == "sqlite":
-            where = f"cannot open the SQLite database {url.database or ':memory:'}"
-        else:
-            where = (f"cannot connect to PostgreSQL at {url.host or 'localhost'}:"
-                     f"{url.port or 5432}/{url.database or ''}"
-                     + (" (password hidden)" if url.password else ""))
-        message = f"{where}: {reason}" if reason else where
-        log.debug("connect error: %s", redact_url(str(context.original_exception)))
-        if any(marker in reason.lower() for marker in PERMANENT_CONNECT_FAILURES):
-            raise CannotConnectError(message) from None
-        raise UnavailableError(message) from None
-
-
-def _read_only(err: BaseException) -> bool:
-    """SQLite's ``SQLITE_READONLY`` family: "attempt to write a readonly database"."""
-    code = getattr(err, "sqlite_errorcode", None)
-    return (code is not None and code & 0xFF == 8) or "readonly database" in str(err)
-
-
-def _driver_reason(text: str) -> str:
-    """The useful line of a driver's connect error: after libpq's ``FATAL:`` (or the last
-    ``failed:``), first line, redacted, bounded."""
-    for marker in ("FATAL:", "failed:"):
-        if marker in text:
-            text = text.rsplit(marker, 1)[1]
-            break
-    return redact_url(text.strip().split("\n")[0].strip())[:200]
 
 
 def _tune_sqlite(engine: Engine) -> None:
@@ -512,28 +419,3 @@ def table_names(engine: Engine) -> list[str]:
     """Tables present in the database (diagnostics)."""
     with translate_errors():
         return sorted(inspect(engine).get_table_names())
-
-
-@contextlib.contextmanager
-def translate_errors(what: str = "database") -> Iterator[None]:
-    """Turn driver errors into :class:`UnavailableError` with our message.
-
-    The driver's text, which may include a URL or a statement, goes to the debug log only.
-    ``IntegrityError`` is left alone: callers turn it into a precise code.
-    """
-    try:
-        yield
-    except OutboxError:
-        raise
-    except exc.IntegrityError:
-        raise
-    except (
-        exc.OperationalError,
-        exc.InterfaceError,
-        exc.DBAPIError,
-        exc.TimeoutError,
-        exc.PendingRollbackError,
-        exc.ResourceClosedError,
-    ) as err:
-        log.debug("%s error: %s", what, redact_url(str(err)))
-        raise UnavailableError(f"the {what} is unavailable or timed out") from err

@@ -17,7 +17,8 @@ import weakref
 from sqlalchemy import Connection, Engine, select
 from sqlalchemy.dialects import postgresql, sqlite
 
-from outbox_relay.shared.db import now_ms, translate_errors
+from outbox_relay.shared.db import now_ms
+from outbox_relay.shared.db_errors import translate_errors
 from outbox_relay.shared.errors import ConfigError
 from outbox_relay.shared.schema import consumer_leases, streams
 

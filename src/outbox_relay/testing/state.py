@@ -14,7 +14,7 @@ from typing import Any
 import redis
 from sqlalchemy import Engine, func, select, update
 
-from outbox_relay.consumer import dead_letters, streams
+from outbox_relay.consumer import dead_letters, group_status, streams
 from outbox_relay.shared.schema import consumer_retries, inbox, outbox
 
 
@@ -114,7 +114,7 @@ def _group_backlog(client: redis.Redis, key: str, group: str) -> tuple[int, int]
     infos: Any = client.xinfo_groups(key)
     for info in infos:
         if streams.text(info["name"]) == group:
-            left = streams.unread(info, newest)
+            left = group_status.unread(info, newest)
             return int(info["pending"]), int(client.xlen(key)) if left is None else left
     return 0, int(client.xlen(key))  # the group does not exist yet: everything is unread
 
