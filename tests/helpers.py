@@ -1,8 +1,10 @@
-"""Small helpers for the integration and acceptance tests.
+"""The one home of the helpers the test modules share (test modules never import each other).
 
 Settings factories with short timings, a polling wait (never a bare sleep standing in for a
-condition), stream readers, a test table handlers write their effects to, and a private
-``redis-server`` for tests that must stall or break their own Redis.
+condition), stream readers, a test table handlers write their effects to, a private
+``redis-server`` for tests that must stall or break their own Redis, free ports, receipts,
+consumers on test handlers, numbered events, the relay and repair tests' assertions, Redis
+ACLs and certificates, the HTTP app in process and the ``outbox`` command as a subprocess.
 """
 
 from __future__ import annotations

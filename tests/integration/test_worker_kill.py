@@ -64,6 +64,7 @@ def processes(tmp_path: Path) -> Iterator[Processes]:
     procs.stop_all()
 
 
+@pytest.mark.slow  # a worker killed, its lease waited out: about 15 s
 def test_sigkill_mid_stage_resumes_from_the_checkpoint(
     engine: Engine, database_url: str, key_prefix: str, redis_client: object, tmp_path: Path,
     processes: Processes,

@@ -251,6 +251,7 @@ def drain_until_closed(socks: list[socket.socket], timeout: float) -> dict[socke
     return closed
 
 
+@pytest.mark.slow  # waits out the read timeout
 def test_half_sent_requests_hold_no_more_than_the_pool_and_are_closed_after_the_timeout(
     registry: CollectorRegistry,
 ) -> None:
