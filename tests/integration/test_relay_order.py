@@ -117,6 +117,38 @@ def test_a_late_commit_below_the_chain_holds_back_the_next_revision(
     assert_in_order_once(engine, redis_client, key_prefix)
 
 
+def test_a_row_committed_late_inside_a_recorded_batch_never_overtakes_on_its_retry(
+    engine: Engine, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    """A relay takes a batch and dies before appending it (the lease row records the batch as
+    seq ranges). A producer transaction open during the take held revisions 1 and 2 of an
+    aggregate, with revision 2's seq inside the recorded range and revision 1's below it;
+    it commits after the take. The retry finds revision 2 in the range: appended under the
+    recorded id it would land before revision 1, which goes out later under a newer id (a
+    PostgreSQL torture run found a chained stream's revision 132 ahead of 128 this way).
+    Revision 2 must wait for revision 1: every event once, each aggregate in order."""
+    if not is_postgres(engine):
+        pytest.skip("SQLite has one writer: no transaction commits below rows committed after")
+    partition = partition_of("late")
+    [other] = aggregates_in(partition, 1, prefix="other")
+    with engine.connect() as held:
+        tx = held.begin()
+        add(held, "late", 1)  # the lowest seq, outside the range the take records
+        with engine.begin() as conn:
+            add(conn, other, 1)  # the range starts here
+        add(held, "late", 2)  # a seq inside the range, not committed at the take
+        with engine.begin() as conn:
+            add(conn, other, 2)  # the range ends here
+        epoch = acquire_leases(engine, "a", PARTITIONS, TTL)[partition]
+        taken = store.take_batch(engine, partition, "a", epoch, 100, TTL)
+        assert [r.aggregate_id for r in taken] == [other, other]  # and the relay dies here
+        tx.commit()
+
+    Relay(relay_settings(key_prefix, node_id="a"), engine, redis_client).run(until_idle=True)
+    assert undelivered(engine) == 0
+    assert_in_order_once(engine, redis_client, key_prefix)
+
+
 class CommitDuring:
     """A client that, just before appending the first batch of a partition reaching a seq,
     runs an action (commits a held producer transaction): so the commit happens while the

@@ -4,14 +4,17 @@ is byte for byte what ``json.dumps`` made of the fields of ``shared.envelope.enc
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from outbox_relay.relay.append import batch_json, entry_json, to_fields
 from outbox_relay.relay.outgoing import OutboxRow
+from outbox_relay.shared.signing import Signer
 from tests.helpers import TRACEPARENT
 from tests.helpers import outbox_row as _row
 
@@ -121,3 +124,16 @@ def test_values_of_other_types_take_the_reference_path(odd: Any) -> None:
     for row in (_row(revision=odd), _row(created_at_ms=odd)):
         if _valid_dates(row):
             assert batch_json([row]) == reference([row])
+
+
+@pytest.mark.parametrize("signed", [False, True], ids=["plain", "signed"])
+def test_a_check_only_row_carries_the_flag_the_script_stops_at(signed: bool) -> None:
+    """A retried row that must not overtake (relay/outgoing.py ``_overtakers``) reaches the
+    script as ``[id, fields, 1]``; every other row as ``[id, fields]``, unchanged."""
+    signer = Signer.from_setting("0123456789abcdef0123456789abcdef") if signed else None
+    rows = [_row(), dataclasses.replace(_row(), entry_id="2-2", check_only=True), _row()]
+    parsed = json.loads(batch_json(rows, signer))
+    assert [len(e) for e in parsed] == [2, 3, 2]
+    assert parsed[1][2] == 1
+    plain = json.loads(batch_json([dataclasses.replace(rows[1], check_only=False)], signer))
+    assert parsed[1][:2] == plain[0]

@@ -39,10 +39,11 @@ from outbox_relay.shared.signing import Signer
 
 log = logging.getLogger(__name__)
 
-# KEYS: stream, fence key. ARGV: epoch, JSON [[entry id, [field, value, ...]], ...], maxlen (0:
-# none), floor (the newest id the outbox knows this stream holds, '' when unknown: a stream whose
-# last generated id is below it lost data, and nothing may be appended above the hole before
-# repair refills it, or consumers would read newer events before older ones: BEHIND <top>).
+# KEYS: stream, fence key. ARGV: epoch, JSON [[entry id, [field, value, ...] (, 1: check
+# only)], ...], maxlen (0: none), floor (the newest id the outbox knows this stream holds, ''
+# when unknown: a stream whose last generated id is below it lost data, and nothing may be
+# appended above the hole before repair refills it, or consumers would read newer events
+# before older ones: BEHIND <top>).
 # Reply: {stream top behind a gap or '', one status per entry}. Each refused XADD is
 # checked with XRANGE id id: the same event already there (an earlier attempt of this batch
 # landed) is "already"; otherwise the script stops appending, and checks each remaining entry
@@ -89,6 +90,7 @@ local out = {''}
 local stopped = false
 for i, entry in ipairs(entries) do
   local status
+  if entry[3] then stopped = true end  -- check only: never appended, found if it landed
   if stopped then
     status = present(entry) and 'already' or 'not_appended'
   else
@@ -256,11 +258,15 @@ def entry_json(row: OutboxRow) -> str:
 def batch_json(rows: list[OutboxRow], signer: Signer | None = None) -> str:
     """The script's entries argument: ``json.dumps`` of ``[[entry id, [field, value, ...]],
     ...]`` (``ensure_ascii=False``, compact), written by :func:`entry_json` row by row; with a
-    ``signer``, from :func:`to_fields` (signed) and ``json.dumps``."""
+    ``signer``, from :func:`to_fields` (signed) and ``json.dumps``. A ``check_only`` row
+    (:func:`relay.outgoing.recorded_rows`) gets a third element, ``1``: the script appends
+    nothing from it on in its stream and only reports which of those entries are there."""
     if signer is not None:
-        return json.dumps([[r.entry_id, [x for kv in to_fields(r, signer).items() for x in kv]]
+        return json.dumps([[r.entry_id, [x for kv in to_fields(r, signer).items() for x in kv],
+                            *([1] if r.check_only else [])]
                            for r in rows], ensure_ascii=False, separators=(",", ":"))
-    return "[" + ",".join([entry_json(r) for r in rows]) + "]"
+    return "[" + ",".join([entry_json(r)[:-1] + ",1]" if r.check_only else entry_json(r)
+                           for r in rows]) + "]"
 
 
 def append(

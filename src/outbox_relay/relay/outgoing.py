@@ -14,6 +14,7 @@ It opens no transaction and never re-checks the lease itself.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from collections.abc import Callable, Sequence
@@ -58,6 +59,7 @@ class OutboxRow:
     created_at_ms: int
     entry_id: str
     retry: bool = False  # taken before (a batch the lease row still records): same id
+    check_only: bool = False  # a retry that must not be appended, only found if it landed
 
 
 @dataclass(frozen=True)
@@ -128,14 +130,16 @@ def first_sendable(pending: tuple[Any, ...]) -> Any:
 def recorded_rows(
     conn: Connection, partition: int, batches: list[Batch], now: int
 ) -> list[OutboxRow]:
-    """The undelivered rows of the recorded batches, in id order, under their recorded ids."""
+    """The undelivered rows of the recorded batches, in id order, under their recorded ids;
+    those that must not overtake an earlier row are ``check_only`` (:func:`_overtakers`)."""
+    in_batches = or_(*(outbox.c.seq.between(b.first_seq, b.last_seq) for b in batches))
     rows = conn.execute(
         select(*_CLAIMED)
         .where(
             outbox.c.partition.between(partition, partition),  # see sendable
             outbox.c.delivered_at_ms.is_(None),
             outbox.c.available_at_ms <= now,
-            or_(*(outbox.c.seq.between(b.first_seq, b.last_seq) for b in batches)),
+            in_batches,
         )
         .order_by(*_IN_ORDER)
     ).all()
@@ -143,7 +147,55 @@ def recorded_rows(
     for r in rows:
         ms = next(b.ms for b in batches if b.first_seq <= r[0] <= b.last_seq)
         out.append(_new_row(*r[:12], r[12] or entry_ids.format_id(ms, r[0]), True))
-    return _by_id(out)
+    return _overtakers(conn, partition, _by_id(out), in_batches, now)
+
+
+def _overtakers(
+    conn: Connection, partition: int, rows: list[OutboxRow], in_batches: Any, now: int
+) -> list[OutboxRow]:
+    """Mark the retried rows that would overtake an earlier row of their aggregate
+    ``check_only``, with every later row of their stream.
+
+    A batch is recorded as seq ranges, and on PostgreSQL seq order is not commit order: a row
+    whose transaction had not committed when the batch was taken can have a seq inside a
+    recorded range. The take never saw it, so neither did its hold-back; the retry finds it in
+    the range. When an earlier row of its aggregate is outside every range (it committed late
+    too) or delayed, appending it under the recorded id would put it in the stream before that
+    row, which is then taken under a newer id (a torture run found the chained stream's
+    revision 132 ahead of 128 this way). Such a row is not appended: the append only looks
+    whether it landed in an earlier attempt (the same id, the same event: then it is
+    delivered), else it is ``not_appended``, the batch did not land whole, its record is
+    dropped and the rows are taken again in seq order. The later rows of the stream follow it,
+    as after any stop, so the stream stays a prefix of the batch.
+    """
+    keyed = [r for r in rows if r.aggregate_id is not None]
+    if not keyed:
+        return rows
+    top = max(r.seq for r in keyed)
+    earlier = conn.execute(
+        select(outbox.c.stream, outbox.c.aggregate_type, outbox.c.aggregate_id,
+               func.min(outbox.c.seq))
+        .where(
+            outbox.c.partition.between(partition, partition),  # see sendable
+            outbox.c.delivered_at_ms.is_(None),
+            outbox.c.seq < top,
+            outbox.c.aggregate_id.in_(sorted({r.aggregate_id for r in keyed if r.aggregate_id})),
+            or_(~in_batches, outbox.c.available_at_ms > now),
+        )
+        .group_by(outbox.c.stream, outbox.c.aggregate_type, outbox.c.aggregate_id)
+    ).all()
+    first_blocker = {(s, t, a): int(seq) for s, t, a, seq in earlier}
+    if not first_blocker:
+        return rows
+    stopped: set[str] = set()
+    out = []
+    for r in rows:
+        blocker = first_blocker.get((r.stream, r.aggregate_type, r.aggregate_id))
+        if r.stream in stopped or (blocker is not None and blocker < r.seq):
+            stopped.add(r.stream)
+            r = dataclasses.replace(r, check_only=True)
+        out.append(r)
+    return out
 
 
 def _by_id(rows: list[OutboxRow]) -> list[OutboxRow]:
