@@ -4,6 +4,7 @@ clock is given (``now=``), so time is advanced by the test, never slept."""
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 
 import pytest
@@ -137,6 +138,33 @@ def test_a_permanent_error_dead_letters_at_once(engine: Engine) -> None:
     assert outcomes[1].detail == "ValueError"  # a predicate's error: its name only
     assert receipts(engine, group=None) == {a.id: ("dead", "rejected"), b.id: ("dead", "rejected")}
     assert retry_rows(engine) == {}
+
+
+def test_a_permanent_error_is_logged_with_its_reason_and_without_a_traceback(
+    engine: Engine, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A PermanentError is the handler's decision (bad input refused on purpose): one WARNING
+    line with its reason, no traceback to chase; an unexpected exception keeps its traceback."""
+    create_effects(engine)
+
+    def refuse(_conn: Connection, ev: Event) -> None:
+        raise PermanentError(f"order {ev.aggregateid} has no customer")
+
+    def crash(_conn: Connection, _ev: Event) -> None:
+        raise ZeroDivisionError("division by zero")
+
+    handlers = Handlers()
+    handlers.register("thing.happened", refuse)
+    handlers.register("other.thing", crash, retry=Retry(
+        permanent=lambda err: isinstance(err, ZeroDivisionError)))
+    with caplog.at_level(logging.WARNING, logger="outbox_relay.consumer"):
+        claim(engine, [event("a", 1), event("b", 1, type="other.thing")], handlers, T0)
+    [refused] = [r for r in caplog.records if "thing.happened" in r.getMessage()]
+    [crashed] = [r for r in caplog.records if "other.thing" in r.getMessage()]
+    assert "PermanentError: order a has no customer; dead-lettered (rejected)" in (
+        refused.getMessage())
+    assert refused.exc_info is None and refused.levelno == logging.WARNING
+    assert crashed.exc_info is not None and crashed.exc_info[0] is ZeroDivisionError
 
 
 def test_a_handler_policy_overrides_the_group_default(engine: Engine) -> None:

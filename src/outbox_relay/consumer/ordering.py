@@ -351,9 +351,15 @@ def _log_failure(d: Delivery, error: str, exc: BaseException | None, group: str,
                  attempts: int = 0, delay_ms: int | None = None, dead: str | None = None) -> None:
     """A handler's failure, at WARNING with its traceback (redacted by the log handler) and
     the event's id and type as structured fields; each failure on its own (never chained to
-    another handler's). Says what follows: the next attempt, or the dead reason."""
+    another handler's). Says what follows: the next attempt, or the dead reason.
+
+    A :class:`PermanentError` is the handler's own decision, not a crash: its message goes in
+    the line and no traceback follows (an operator reading the log of a handler that rejects
+    bad input on purpose must not find tracebacks to chase; ``outbox dlq`` shows the reason)."""
     event = d.event
-    shown = exc
+    shown, said = exc, error
+    if isinstance(exc, PermanentError):
+        said, shown = (f"{error}: {exc}" if str(exc) else error), None
     if isinstance(exc, sa_exc.StatementError):
         # The driver's text carries the SQL statement and its parameters (event data): the
         # traceback's frames at WARNING, the driver's message only at DEBUG.
@@ -363,7 +369,7 @@ def _log_failure(d: Delivery, error: str, exc: BaseException | None, group: str,
     then = (f"dead-lettered ({dead})" if dead else "retried" if delay_ms is None
             else f"attempt {attempts}, retried in {max(0, delay_ms) / 1000:.1f}s")
     log.warning(
-        "handler for %s failed on %s: %s; %s", event.type, event.id, error, then,
+        "handler for %s failed on %s: %s; %s", event.type, event.id, said, then,
         exc_info=(type(shown), shown, exc.__traceback__) if exc is not None and shown else None,
         extra={"event_id": event.id, "event_type": event.type, "stream_key": d.key,
                "entry_id": d.entry_id, "group": group, "error": error,
