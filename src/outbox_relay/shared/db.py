@@ -155,12 +155,17 @@ def _refuse_missing_file(engine: Engine, name: str) -> None:
     """Refuse to connect where SQLite would create the file ``name``: only ``db upgrade`` and
     the demo create a database. Checked at every connect, so a daemon that waits at start-up
     finds the file once it is there; a missing *folder* is left to SQLite, which cannot open
-    it (``unavailable``, retried: the volume is not mounted yet)."""
+    it (``unavailable``, retried: the volume is not mounted yet).
+
+    The folder is looked at first, then the file: a folder that appears with its file in it
+    (a volume mounted, a prepared folder moved into place) must never be seen as "file
+    missing" because the file was looked for just before the folder appeared (a make test
+    run caught that order refusing a database that was there)."""
     path = Path(name)
 
     @event.listens_for(engine, "do_connect")
     def _check(_dialect: Any, _record: Any, _args: Any, _kwargs: Any) -> None:
-        if not path.exists() and path.parent.is_dir():
+        if path.parent.is_dir() and not path.exists():
             raise _no_file(name)
 
 
