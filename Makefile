@@ -13,13 +13,17 @@ STAMP  := $(VENV)/.installed-stamp
 # CI=true, where they would fill the log), so a first install of ~30 s is never silent.
 PIP_PROGRESS := $(if $(CI),--progress-bar off,)
 
-$(STAMP): pyproject.toml
+# constraints.txt pins every package of the dev install to versions known to pass `make test`
+# (a new redis-py or mypy release can turn a green tree red overnight: redis-py 8.2 typed its
+# Sentinel class). Refresh it deliberately: pip install -U …, make test, pip freeze.
+$(STAMP): pyproject.toml constraints.txt
 	@echo "==> creating the virtualenv $(VENV) with $(PYTHON)"
 	$(PYTHON) -m venv $(VENV)
 	@echo "==> upgrading pip in $(VENV)"
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	@echo "==> installing outbox-relay with its extras (dev,postgres,sqlite-async,http,otel) into $(VENV); about 30 s the first time"
-	$(BIN)/python -m pip install $(PIP_PROGRESS) -e '.[dev,postgres,sqlite-async,http,otel]'
+	$(BIN)/python -m pip install $(PIP_PROGRESS) -c constraints.txt \
+		-e '.[dev,postgres,sqlite-async,http,otel]'
 	touch $(STAMP)
 	@echo "==> installed: run $(BIN)/outbox --help, or 'source $(BIN)/activate' first for plain 'outbox'"
 

@@ -159,9 +159,12 @@ def sentinel_master(url: str, *, timeout_s: float = 5.0) -> redis.Redis:
     service, db = path[0], int(path[1]) if len(path) == 2 else 0
     timeouts = {"socket_timeout": timeout_s, "socket_connect_timeout": min(timeout_s, 5.0)}
     sentinel_password = query.get("sentinel_password", [None])[0]
-    sentinel = Sentinel(  # type: ignore[no-untyped-call]
-        addresses, sentinel_kwargs={**timeouts, "password": sentinel_password})
-    client: redis.Redis = sentinel.master_for(  # type: ignore[no-untyped-call]
+    # Any: redis-py's Sentinel is untyped before 8.x and typed, with narrower keyword types
+    # than its own keyword passing accepts, from 8.x on; either way the client is a Redis.
+    sentinel_class: Any = Sentinel
+    sentinel = sentinel_class(addresses,
+                              sentinel_kwargs={**timeouts, "password": sentinel_password})
+    client: redis.Redis = sentinel.master_for(
         service, **_credentials(parts), db=db,
         ssl=parts.scheme.lower().startswith("rediss"), health_check_interval=30,
         retry_on_timeout=False, **timeouts,
