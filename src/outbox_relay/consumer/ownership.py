@@ -11,10 +11,13 @@ partition stream, an aggregate's entries are read, retried and taken over by one
 order. The claim transaction re-checks the lease (:func:`check`), so a consumer that lost its
 lease without noticing (a pause, a partition from the database) cannot commit anything.
 
-Each function runs one short transaction (or, for :func:`check`, one step of the caller's).
-Expiries are written and compared with the database's clock (:func:`shared.db.db_now_ms`).
-Row locks are always taken in ``(stream, partition)`` order, so a rebalance and a claim never
-deadlock on PostgreSQL.
+Heartbeats, the fair share, takes and releases are the one lease algorithm every component uses
+(:mod:`shared.leases`, with :data:`CONSUMER_LEASES`); what is the consumers' own is the claim's
+fence (:func:`check`), the sweep of abandoned heartbeats (:func:`forget_nodes`), the listing
+for ``outbox status`` and the in-process read timing (:class:`Leases`). Each function runs one
+short transaction (or, for :func:`check`, one step of the caller's). Expiries are written and
+compared with the database's clock (:func:`shared.db.db_now_ms`). Row locks are always taken
+in ``(stream, partition)`` order, so a rebalance and a claim never deadlock on PostgreSQL.
 """
 
 from __future__ import annotations
@@ -25,12 +28,13 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from sqlalchemy import Connection, Engine, and_, delete, func, or_, select, tuple_, update
-from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy import Connection, Engine, delete, or_, select, tuple_, update
 
+from outbox_relay.shared import leases as shared_leases
 from outbox_relay.shared.db import db_now_ms, is_postgres
 from outbox_relay.shared.db_errors import translate_errors
 from outbox_relay.shared.errors import LeaseLostError
+from outbox_relay.shared.leases import LeaseTable
 from outbox_relay.shared.schema import consumer_leases as leases
 from outbox_relay.shared.schema import consumer_nodes as nodes
 
@@ -48,19 +52,15 @@ class PartitionLostError(LeaseLostError):
         super().__init__(f"group {group} no longer owns {names} here")
 
 
-def _upsert(conn: Connection) -> Any:
-    return postgresql.insert if is_postgres(conn) else sqlite.insert
-
-
-def _db_now(conn: Connection) -> int:
-    """The database's clock (epoch ms): every consumer host compares lease expiries with the
-    same clock, whatever its own says."""
-    return int(conn.execute(select(db_now_ms(is_postgres(conn)))).scalar_one())
+CONSUMER_LEASES = LeaseTable(
+    leases=leases, nodes=nodes, key_columns=("stream", "partition"), node_column="consumer",
+    scope_columns=("group_name",),
+)
+"""Consumer leases, scoped by group, for the one lease algorithm (:mod:`shared.leases`)."""
 
 
 def _row(group: str, key: Key) -> Any:
-    return and_(leases.c.group_name == group, leases.c.stream == key[0],
-                leases.c.partition == key[1])
+    return CONSUMER_LEASES.row_of({"group_name": group}, key)
 
 
 def acquire(
@@ -68,99 +68,25 @@ def acquire(
 ) -> dict[Key, int]:
     """Heartbeat this consumer and take its fair share of ``keys``; return ``{key: epoch}``.
 
-    Fair share is ``ceil(len(keys) / live consumers of the group)``. Leases we hold within
-    our share are renewed (same epoch); above it, released (another consumer takes them on its
-    next call); below it, free or expired leases are taken, bumping their epoch (the fence: a
-    claim of the previous owner at the old epoch is refused from then on). A lease we held
-    but let expire comes back under a new epoch too, so the caller treats it as new.
+    Fair share is ``ceil(len(keys) / live consumers of the group)``: the one lease algorithm
+    (:func:`shared.leases.acquire`). Leases we hold within our share are renewed (same epoch);
+    above it, released (another consumer takes them on its next call); below it, free or
+    expired leases are taken, bumping their epoch (the fence: a claim of the previous owner at
+    the old epoch is refused from then on). A lease we held but let expire comes back under a
+    new epoch too, so the caller treats it as new.
 
-    Takes are optimistic (``WHERE epoch = <seen>``): two consumers racing for one lease cannot
-    both win. On PostgreSQL, taking a lease whose previous owner is inside a claim waits for
-    that claim's row lock (:func:`check`), so the takeover happens after that commit.
+    On PostgreSQL, taking a lease whose previous owner is inside a claim waits for that claim's
+    row lock (:func:`check`), so the takeover happens after that commit.
     """
-    wanted = sorted(set(keys))
-    with translate_errors(), engine.begin() as conn:
-        now = _db_now(conn)
-        ins = _upsert(conn)
-        conn.execute(
-            ins(nodes)
-            .values(group_name=group, consumer=consumer, expires_at_ms=now + ttl_ms)
-            .on_conflict_do_update(
-                index_elements=["group_name", "consumer"], set_={"expires_at_ms": now + ttl_ms}
-            )
-        )
-        conn.execute(delete(nodes).where(nodes.c.group_name == group,
-                                         nodes.c.expires_at_ms < now - 10 * ttl_ms))
-        live = conn.execute(
-            select(func.count()).where(nodes.c.group_name == group, nodes.c.expires_at_ms > now)
-        ).scalar_one()
-        if not wanted:
-            return {}
-        query = (select(leases.c.stream, leases.c.partition, leases.c.owner, leases.c.epoch,
-                        leases.c.expires_at_ms)
-                 .where(leases.c.group_name == group, or_(*(_row(group, k) for k in wanted)))
-                 .order_by(leases.c.stream, leases.c.partition))
-        rows = conn.execute(query).all()
-        missing = sorted(set(wanted) - {(r.stream, r.partition) for r in rows})
-        if missing:
-            # Only rows that do not exist yet: an INSERT … ON CONFLICT over a row another
-            # consumer's claim has updated waits for that claim to commit (PostgreSQL must
-            # know whether the conflict is real), which stalled every renewal by up to a
-            # claim's length (seen in the soak as 0.28 s waits on Lock:transactionid).
-            conn.execute(
-                ins(leases).on_conflict_do_nothing(
-                    index_elements=["group_name", "stream", "partition"]),
-                [{"group_name": group, "stream": s, "partition": p, "owner": None, "epoch": 0,
-                  "expires_at_ms": 0} for s, p in missing],
-            )
-            rows = conn.execute(query).all()
-        fair = math.ceil(len(wanted) / max(live, 1))
-        return _rebalance(conn, group, consumer, rows, fair, ttl_ms, now)
-
-
-def _rebalance(
-    conn: Connection, group: str, consumer: str, rows: Any, fair: int, ttl_ms: int, now: int
-) -> dict[Key, int]:
-    """Renew, release and take leases, one conditional UPDATE each, in key order."""
-    mine = [r for r in rows if r.owner == consumer and r.expires_at_ms > now]
-    free = [r for r in rows if r.owner is None or r.expires_at_ms <= now]
-    keep, drop = mine[:fair], mine[fair:]
-    take = free[: max(fair - len(keep), 0)]
-    actions = sorted([(r, "keep") for r in keep] + [(r, "drop") for r in drop]
-                     + [(r, "take") for r in take], key=lambda a: (a[0].stream, a[0].partition))
-    held: dict[Key, int] = {}
-    for r, action in actions:
-        key = (r.stream, r.partition)
-        stmt = update(leases).where(_row(group, key), leases.c.epoch == r.epoch)
-        if action == "keep":
-            result = conn.execute(stmt.where(leases.c.owner == consumer)
-                                  .values(expires_at_ms=now + ttl_ms))
-            if result.rowcount == 1:
-                held[key] = r.epoch
-        elif action == "drop":
-            conn.execute(stmt.where(leases.c.owner == consumer).values(owner=None, expires_at_ms=0))
-        else:
-            result = conn.execute(
-                stmt.where(or_(leases.c.owner.is_(None), leases.c.expires_at_ms <= now))
-                .values(owner=consumer, epoch=r.epoch + 1, expires_at_ms=now + ttl_ms)
-            )
-            if result.rowcount == 1:
-                held[key] = r.epoch + 1
-    return held
+    got = shared_leases.acquire(engine, CONSUMER_LEASES, {"group_name": group}, consumer,
+                                keys, ttl_ms)
+    return {(str(k[0]), int(k[1])): epoch for k, epoch in got.items()}
 
 
 def release(engine: Engine, group: str, consumer: str, held: dict[Key, int]) -> None:
     """Give our leases back and remove our heartbeat at shutdown, so the others take our
     partition streams at once instead of after the lease expires."""
-    with translate_errors(), engine.begin() as conn:
-        for key, epoch in sorted(held.items()):
-            conn.execute(
-                update(leases)
-                .where(_row(group, key), leases.c.owner == consumer, leases.c.epoch == epoch)
-                .values(owner=None, expires_at_ms=0)
-            )
-        conn.execute(delete(nodes).where(nodes.c.group_name == group,
-                                         nodes.c.consumer == consumer))
+    shared_leases.release(engine, CONSUMER_LEASES, {"group_name": group}, consumer, held)
 
 
 def forget_nodes(engine: Engine, expired_for_ms: int, *, limit: int = 1_000) -> int:
@@ -174,7 +100,7 @@ def forget_nodes(engine: Engine, expired_for_ms: int, *, limit: int = 1_000) -> 
     (``FOR UPDATE SKIP LOCKED``), so this never waits for, nor deadlocks with, :func:`acquire`.
     """
     with translate_errors(), engine.begin() as conn:
-        cutoff = _db_now(conn) - expired_for_ms
+        cutoff = shared_leases.db_now(conn) - expired_for_ms
         query = (select(nodes.c.group_name, nodes.c.consumer)
                  .where(nodes.c.expires_at_ms < cutoff).limit(limit))
         if is_postgres(conn):
@@ -223,7 +149,7 @@ def owners(engine: Engine) -> list[dict[str, Any]]:
         rows = conn.execute(
             select(leases).order_by(leases.c.group_name, leases.c.stream, leases.c.partition)
         ).all()
-        now = _db_now(conn)
+        now = shared_leases.db_now(conn)
     return [
         {
             "group": r.group_name,

@@ -2,22 +2,23 @@
 
 Every relay node heartbeats (``relay_nodes``) and holds ``ceil(partitions / live nodes)``
 partition leases (``relay_leases``); taking a lease bumps its epoch, the fence every write of
-the partition checks. :func:`fence` fences and extends a lease in the caller's transaction: the
-take and settle of :mod:`relay.store` and the repair's writes (:mod:`relay.repair_store`) start
-with it, so a relay that lost its lease cannot mark anything.
+the partition checks. Heartbeats, the fair share, takes and releases are the one lease
+algorithm every component uses (:mod:`shared.leases`, with :data:`RELAY_LEASES`). What is the
+relay's own is the fence: :func:`fence` fences and extends a lease in the caller's transaction
+in one fused statement (the relay runs it in every take and settle); the take and settle of
+:mod:`relay.store` and the repair's writes (:mod:`relay.repair_store`) start with it, so a relay
+that lost its lease cannot mark anything.
 
-Lease expiries (of partition leases and of relay node heartbeats) are written and compared with
-the database's clock (:func:`shared.db.db_now_ms`), never a relay host's, as the consumers'
-leases are (consumer/ownership.py): of two relay hosts whose clocks differ by more than the
-lease TTL, the one ahead would otherwise see the other's leases and heartbeat as expired and
-take its partitions, back and forth (issue #25). No public function here takes a lease's "now"
-from its caller.
+Lease expiries are written and compared with the database's clock
+(:func:`shared.db.db_now_ms`), never a relay host's: of two relay hosts whose clocks differ by
+more than the lease TTL, the one ahead would otherwise see the other's leases and heartbeat as
+expired and take its partitions, back and forth (issue #25). No public function here takes a
+lease's "now" from its caller.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any
 
 from sqlalchemy import (
@@ -27,31 +28,25 @@ from sqlalchemy import (
     Integer,
     String,
     bindparam,
-    delete,
-    func,
     or_,
     select,
     update,
 )
-from sqlalchemy.dialects import postgresql, sqlite
 
 from outbox_relay.relay import entry_ids
 from outbox_relay.relay.outgoing import Batch, first_sendable, load_batches, sendable
+from outbox_relay.shared import leases
 from outbox_relay.shared.db import db_now_ms, is_postgres
 from outbox_relay.shared.db_errors import translate_errors
 from outbox_relay.shared.errors import LeaseLostError
+from outbox_relay.shared.leases import LeaseTable
 from outbox_relay.shared.schema import relay_leases, relay_nodes
 
-
-def _upsert(conn: Connection) -> Any:
-    return postgresql.insert if is_postgres(conn) else sqlite.insert
-
-
-def _db_now(conn: Connection) -> int:
-    """The database's clock (epoch ms), read once in the caller's transaction: every relay host
-    compares lease and heartbeat expiries with the same clock, whatever its own says (a host
-    ahead by more than the TTL saw every other relay as expired and took all partitions)."""
-    return int(conn.execute(select(db_now_ms(is_postgres(conn)))).scalar_one())
+RELAY_LEASES = LeaseTable(
+    leases=relay_leases, nodes=relay_nodes, key_columns=("partition",), node_column="node_id",
+    new_row={"last_entry_id": entry_ids.ZERO},
+)
+"""The relay's partition leases, for the one lease algorithm (:mod:`shared.leases`)."""
 
 
 def database_now(engine: Engine) -> int:
@@ -60,101 +55,26 @@ def database_now(engine: Engine) -> int:
     those come from the database's clock, so a relay host whose own clock is off must not
     judge them by it."""
     with translate_errors(), engine.connect() as conn:
-        return _db_now(conn)
+        return leases.db_now(conn)
 
 
 def acquire_leases(engine: Engine, node_id: str, partitions: int, ttl_ms: int) -> dict[int, int]:
     """Heartbeat this node and take its fair share of partitions; return ``{partition: epoch}``.
 
-    Fair share is ``ceil(partitions / live nodes)``. A node above its share releases the extra
-    partitions; a node below it takes free or expired ones, bumping their epoch (the fence).
-    Heartbeats, the live count and lease expiries all use the database's clock, read once
-    here (:func:`_db_now`, inside the transaction: on SQLite after ``BEGIN IMMEDIATE`` got the
-    write lock), not the relay host's: hosts' clocks may differ by more than the TTL. On
-    PostgreSQL the lease rows' lock may be waited for after that read: an older "now" only
-    writes expiries a little shorter and sees leases expire a little later, never takes a
-    live one.
+    Fair share is ``ceil(partitions / live relays)``: :func:`shared.leases.acquire`, the one
+    lease algorithm (the database's clock, key order, row-count checked takes and renewals). A
+    relay above its share releases the extra partitions; below it, takes free or expired ones,
+    bumping their epoch (the fence of :func:`fence`).
     """
-    with translate_errors(), engine.begin() as conn:
-        now = _db_now(conn)
-        ins = _upsert(conn)
-        conn.execute(
-            ins(relay_nodes)
-            .values(node_id=node_id, expires_at_ms=now + ttl_ms)
-            .on_conflict_do_update(
-                index_elements=["node_id"], set_={"expires_at_ms": now + ttl_ms}
-            )
-        )
-        conn.execute(delete(relay_nodes).where(relay_nodes.c.expires_at_ms < now - 10 * ttl_ms))
-        live = conn.execute(
-            select(func.count()).where(relay_nodes.c.expires_at_ms > now)
-        ).scalar_one()
-        conn.execute(
-            ins(relay_leases).on_conflict_do_nothing(index_elements=["partition"]),
-            [
-                {"partition": p, "owner": None, "epoch": 0, "expires_at_ms": 0,
-                 "last_entry_id": entry_ids.ZERO}
-                for p in range(partitions)
-            ],
-        )
-        query = select(relay_leases).where(relay_leases.c.partition < partitions)
-        if is_postgres(conn):
-            query = query.with_for_update()
-        rows = conn.execute(query.order_by(relay_leases.c.partition)).all()
-        return _rebalance(conn, rows, node_id, math.ceil(partitions / max(live, 1)), ttl_ms, now)
+    got = leases.acquire(engine, RELAY_LEASES, {}, node_id,
+                         [(p,) for p in range(partitions)], ttl_ms)
+    return {key[0]: epoch for key, epoch in got.items()}
 
 
-def _rebalance(
-    conn: Connection, rows: Any, node_id: str, fair: int, ttl_ms: int, now: int
-) -> dict[int, int]:
-    """Renew, release and take leases (``rows``, locked) for a share of ``fair``; ``now`` is
-    the database's clock :func:`acquire_leases` read."""
-    mine = [r for r in rows if r.owner == node_id and r.expires_at_ms > now]
-    free = [r for r in rows if r.owner is None or r.expires_at_ms <= now]
-    held: dict[int, int] = {}
-    for r in mine[:fair]:
-        conn.execute(
-            update(relay_leases)
-            .where(relay_leases.c.partition == r.partition, relay_leases.c.epoch == r.epoch)
-            .values(expires_at_ms=now + ttl_ms)
-        )
-        held[r.partition] = r.epoch
-    for r in mine[fair:]:
-        conn.execute(
-            update(relay_leases)
-            .where(relay_leases.c.partition == r.partition, relay_leases.c.epoch == r.epoch)
-            .values(owner=None, expires_at_ms=0)
-        )
-    for r in free[: max(fair - len(held), 0)]:
-        result = conn.execute(
-            update(relay_leases)
-            .where(relay_leases.c.partition == r.partition, relay_leases.c.epoch == r.epoch)
-            .values(owner=node_id, epoch=r.epoch + 1, expires_at_ms=now + ttl_ms)
-        )
-        if result.rowcount == 1:
-            held[r.partition] = r.epoch + 1
-    return held
-
-
-def release_leases(engine: Engine, node_id: str, leases: dict[int, int]) -> None:
-    """Give our partitions back at shutdown so another relay need not wait for expiry.
-
-    Rows are locked in partition order, as :func:`acquire_leases` locks them: in the order the
-    leases were won (kept ones first) a release could wait on a row that an acquiring relay
-    holds while that relay waits on one the release holds (a deadlock PostgreSQL breaks by
-    failing one of the two)."""
-    with translate_errors(), engine.begin() as conn:
-        for partition, epoch in sorted(leases.items()):
-            conn.execute(
-                update(relay_leases)
-                .where(
-                    relay_leases.c.partition == partition,
-                    relay_leases.c.owner == node_id,
-                    relay_leases.c.epoch == epoch,
-                )
-                .values(owner=None, expires_at_ms=0)
-            )
-        conn.execute(delete(relay_nodes).where(relay_nodes.c.node_id == node_id))
+def release_leases(engine: Engine, node_id: str, held: dict[int, int]) -> None:
+    """Give our partitions back at shutdown so another relay need not wait for expiry (in
+    partition order, the order every rebalance locks them in: :func:`shared.leases.release`)."""
+    leases.release(engine, RELAY_LEASES, {}, node_id, {(p,): e for p, e in held.items()})
 
 
 def renew_lease(engine: Engine, partition: int, node_id: str, epoch: int, ttl_ms: int) -> None:
@@ -167,31 +87,9 @@ def renew_lease(engine: Engine, partition: int, node_id: str, epoch: int, ttl_ms
 def take_free_lease(engine: Engine, partition: int, node_id: str, ttl_ms: int) -> int | None:
     """Take ``partition`` if no live relay holds it (bumping the epoch); its epoch, or None.
 
-    For one-off tools (``outbox reconcile``): a live relay's partition is left alone. "Live"
-    by the database's clock (:func:`_db_now`), the one the relays' leases use: a tool on a
-    host whose clock is ahead must not take a partition a relay holds.
-    """
-    with translate_errors(), engine.begin() as conn:
-        now = _db_now(conn)
-        row = conn.execute(
-            select(relay_leases).where(relay_leases.c.partition == partition)
-        ).first()
-        if row is None:
-            conn.execute(
-                relay_leases.insert().values(
-                    partition=partition, owner=node_id, epoch=1, expires_at_ms=now + ttl_ms,
-                    last_entry_id=entry_ids.ZERO,
-                )
-            )
-            return 1
-        if row.owner is not None and row.expires_at_ms > now:
-            return None
-        result = conn.execute(
-            update(relay_leases)
-            .where(relay_leases.c.partition == partition, relay_leases.c.epoch == row.epoch)
-            .values(owner=node_id, epoch=row.epoch + 1, expires_at_ms=now + ttl_ms)
-        )
-        return row.epoch + 1 if result.rowcount == 1 else None
+    For one-off tools (``outbox reconcile``): a live relay's partition is left alone, "live" by
+    the database's clock (:func:`shared.leases.take_free`)."""
+    return leases.take_free(engine, RELAY_LEASES, {}, node_id, (partition,), ttl_ms)
 
 
 def _check_lease(conn: Connection, partition: int, node_id: str, epoch: int, ttl_ms: int) -> None:
