@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import ROOT
+
 pytestmark = [pytest.mark.acceptance, pytest.mark.torture]
 
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_bench_tiny_writes_results_and_plots(tmp_path: Path) -> None:

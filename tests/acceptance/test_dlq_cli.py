@@ -24,10 +24,10 @@ from outbox_relay.shared import db, keys
 from outbox_relay.shared.schema import inbox
 from outbox_relay.shared.settings import ConsumerSettings
 from tests.conftest import REDIS_URL
+from tests.helpers import ROOT
 
 pytestmark = pytest.mark.acceptance
 
-ROOT = Path(__file__).resolve().parents[2]
 GROUP = "cli-g"
 DEMO_APP = "outbox_relay.cli.demo_app:handlers"
 

@@ -15,9 +15,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import ROOT
+
 pytestmark = [pytest.mark.acceptance, pytest.mark.torture, pytest.mark.timeout(240)]
 
-ROOT = Path(__file__).resolve().parents[2]
 EVENTS, AGGREGATES = 60, 10
 
 

@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import ROOT
 from torture.soak import FLAT_SERIES
 
 pytestmark = [pytest.mark.acceptance, pytest.mark.torture, pytest.mark.timeout(300)]
 
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("database", ["sqlite", "postgresql"])

@@ -25,11 +25,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import ROOT
 from torture.brokers import REPLICATED_FAULTS
 
 pytestmark = [pytest.mark.acceptance, pytest.mark.torture, pytest.mark.timeout(400)]
 
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize(("topology", "wait", "database"), [

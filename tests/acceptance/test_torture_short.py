@@ -29,12 +29,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import ROOT
 from torture.brokers import QUICK_FAULTS
 from torture.chaos import DB_FAULT, POINTS_BY_KIND
 
 pytestmark = [pytest.mark.acceptance, pytest.mark.torture, pytest.mark.timeout(660)]
 
-ROOT = Path(__file__).resolve().parents[2]
 KILLED_KINDS = ("producer", "relay", "consumer", "worker")
 
 

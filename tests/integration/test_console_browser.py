@@ -25,11 +25,10 @@ from outbox_relay.consumer import dead_letters
 from outbox_relay.runs import schema as runs_schema
 from tests import console_kit
 from tests.conftest import REDIS_URL
-from tests.helpers import GROUP, PARTITIONS, effect_counts, free_port, wait_until
+from tests.helpers import GROUP, PARTITIONS, ROOT, effect_counts, free_port, wait_until
 
 pytestmark = pytest.mark.integration
 
-ROOT = Path(__file__).resolve().parents[2]
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMEDRIVER = Path("/usr/bin/chromedriver")
 TOKEN = "ops-0123456789abcdef0123"

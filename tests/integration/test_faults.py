@@ -10,7 +10,6 @@ import sys
 import time
 from collections.abc import Iterator
 from functools import partial
-from pathlib import Path
 
 import pytest
 import redis
@@ -20,10 +19,9 @@ from outbox_relay.shared import faults, keys
 from outbox_relay.shared.errors import ConfigError
 from outbox_relay.shared.schema import inbox, outbox
 from tests.conftest import REDIS_URL
-from tests.helpers import enqueue_numbered
+from tests.helpers import ROOT, enqueue_numbered
 from torture import app
 
-ROOT = Path(__file__).resolve().parents[2]
 PARTITIONS = 2
 EVENTS = 12
 

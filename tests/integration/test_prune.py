@@ -17,6 +17,7 @@ import redis
 from sqlalchemy import Engine, func, insert, select, update
 
 from outbox_relay.cli import prune as retention
+from outbox_relay.cli.settings import ConsumeSettings, PruneSettings
 from outbox_relay.consumer import Handlers
 from outbox_relay.consumer.daemon import Consumer
 from outbox_relay.consumer.prune import InboxPruner, entry_key, partition_of
@@ -28,7 +29,6 @@ from outbox_relay.shared import keys
 from outbox_relay.shared.db import is_postgres, now_ms
 from outbox_relay.shared.periodic import shutdown
 from outbox_relay.shared.schema import inbox, inbox_heads, outbox, stream_trims
-from outbox_relay.shared.settings import RetentionSettings
 from tests.conftest import REDIS_URL
 from tests.helpers import (
     GROUP,
@@ -342,8 +342,7 @@ def test_dry_run_counts_and_deletes_nothing(
 ) -> None:
     _seed_everything(engine, key_prefix)
     before = _sizes(engine)
-    settings = RetentionSettings(redis_url=REDIS_URL, key_prefix=key_prefix,
-                                           retention_runs="7d")
+    settings = PruneSettings(redis_url=REDIS_URL, key_prefix=key_prefix, retention_runs="7d")
     report = retention.prune_all(engine, settings, dry_run=True)
     assert report["pruned"] == {"outbox_events": 3, "outbox_inbox": 1,
                                 "outbox_inbox_heads": 1, "outbox_consumer_retries": 0,
@@ -390,13 +389,12 @@ def test_runs_retention_is_off_where_there_are_no_runs_tables(
     """An application without runs that sets retention_runs: no runs rule, a warning, and the
     other rules still run (the query on a missing table would fail every pass)."""
     add_outbox(engine, 2, delivered_days_ago=30)
-    settings = RetentionSettings(redis_url=REDIS_URL, key_prefix=key_prefix,
-                                 retention_runs="7d")
+    settings = PruneSettings(redis_url=REDIS_URL, key_prefix=key_prefix, retention_runs="7d")
     with caplog.at_level("WARNING"):
         report = retention.prune_all(engine, settings, dry_run=False)
     assert report["pruned"]["outbox_runs"] is None and report["pruned"]["outbox_events"] == 2
     assert "runs tables were never set up" in caplog.text
-    consumer = Consumer(consumer_settings(key_prefix, retention_runs="1d", retention_inbox="off"),
+    consumer = Consumer(consume_settings(key_prefix, retention_runs="1d", retention_inbox="off"),
                         engine, redis_client, Handlers())
     retention.register_consumer(consumer, consumer.settings)
     assert "retention" not in [t.name for t in consumer.periodic]
@@ -510,7 +508,7 @@ def test_consumer_retention_task_prunes_receipts_heads_and_runs(
             updated_at_ms=now_ms() - 30 * DAY_MS))
     add_run(engine, "done", "failed", days_ago=30)
     add_run(engine, "running", "drafting", days_ago=30)
-    settings = consumer_settings(key_prefix, retention_runs="1d")
+    settings = consume_settings(key_prefix, retention_runs="1d")
     consumer = Consumer(settings, engine, redis_client, Handlers())
     retention.register_consumer(consumer, settings)
     consumer.run_once(block_ms=1)  # the loop runs its due housekeeping

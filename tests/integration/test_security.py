@@ -41,13 +41,12 @@ from outbox_relay.shared.redis_conn import connect_redis, translate_redis_errors
 from outbox_relay.shared.schema import inbox
 from outbox_relay.shared.settings import ConsumerSettings, RelaySettings
 from tests.conftest import PG_ADMIN_URL, pg_schema_url
-from tests.helpers import documented_acl, free_port, make_certificates, rule_words
+from tests.helpers import ROOT, documented_acl, free_port, make_certificates, rule_words
 
 DEMO_APP = "outbox_relay.cli.demo_app:handlers"
 
 pytestmark = pytest.mark.integration
 
-ROOT = Path(__file__).resolve().parents[2]
 SECRET = "Zq7-S3cr3t-w0rd"  # part of every password below; must never be printed
 ADMIN_PW = f"admin-{SECRET}"
 # Commands of the test's own admin connection and of connection set-up, not of the roles.

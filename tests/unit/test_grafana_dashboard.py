@@ -14,7 +14,6 @@ import json
 import re
 from collections.abc import Iterable, Iterator
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
 import fakeredis
@@ -39,8 +38,8 @@ from outbox_relay.shared import db, keys
 from outbox_relay.shared.envelope import Event
 from outbox_relay.shared.schema import metadata
 from outbox_relay.shared.settings import ConsumerSettings, RelaySettings
+from tests.helpers import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "docs" / "grafana" / "outbox.json"
 OPERATIONS = ROOT / "docs" / "operations.md"
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.helpers import ROOT
+
 DOC = ROOT / "docs" / "guarantees.md"
 
 

@@ -11,7 +11,6 @@ import shlex
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,8 +23,8 @@ from outbox_relay.consumer import metrics as consumer_metrics
 from outbox_relay.runs.settings import ServeSettings, WorkerSettings
 from outbox_relay.shared.metrics_server import MetricsServer
 from outbox_relay.shared.settings import CommonSettings, DaemonSettings, RelaySettings
+from tests.helpers import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
 
 # The settings model of each command the manifests run (as cli/main.py builds its parser).

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.helpers import ROOT
+
 PACKAGE = ROOT / "src" / "outbox_relay"
 COMPONENTS = ("shared", "producer", "relay", "consumer", "runs", "console", "cli")
 ALLOWED = {

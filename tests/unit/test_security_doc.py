@@ -4,9 +4,8 @@ must exist, so a renamed or deleted test cannot leave a row backed by nothing.""
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.helpers import ROOT
 
 
 def test_every_test_the_threat_model_names_exists() -> None:

@@ -7,14 +7,12 @@ import json
 import subprocess
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 from outbox_relay.producer import Producer
 from outbox_relay.shared import tracing
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.helpers import ROOT
 
 WITHOUT_OTEL = """
 import sys
