@@ -19,6 +19,7 @@ from sqlalchemy import Engine
 
 import outbox_relay.relay
 from outbox_relay.relay import entry_ids
+from outbox_relay.relay import status as relay_status
 from outbox_relay.relay.daemon import Relay
 from outbox_relay.shared import keys
 from outbox_relay.shared.db import now_ms as true_now_ms
@@ -147,3 +148,23 @@ def test_a_relay_host_an_hour_ahead_keeps_entries_for_stream_keep_s_by_the_datab
         assert all(entry_ids.parse(i.decode())[0] < true_now_ms() + 60_000 for i, _ in entries)
     assert relay.trimmer.run(relay.leases, streams) == 0
     assert_each_once(redis_client, key_prefix, ids)
+
+
+def test_status_and_progress_read_waits_and_lease_expiry_by_the_database_clock(
+    engine: Engine, redis_client: redis.Redis, key_prefix: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``outbox status``'s lease expiry and the progress line's "oldest waiting" compare the
+    database's times (``expires_at_ms``, ``available_at_ms``) with the database's clock: on a
+    host an hour ahead, the leases are still held with at most a TTL left, and the rows have
+    waited seconds, not an hour."""
+    relay = Relay(relay_settings(key_prefix, node_id="relay-a", lease_ttl_ms=TTL), engine,
+                  redis_client)
+    assert lease_round(relay, monkeypatch, 3_600_000) == EVERY
+    enqueue_events(engine, 8)
+    shown = relay_status.leases(engine)
+    assert {r["partition"] for r in shown} == EVERY
+    assert all(r["owner"] == "relay-a" and 0 < r["expires_in_ms"] <= TTL for r in shown)
+    line = relay.log_progress()
+    waited = line.rpartition("oldest waiting ")[2]
+    assert waited.endswith(" s"), line  # seconds: neither "60.0 min" nor "1.0 h"

@@ -21,6 +21,10 @@ database, Redis and key prefix, and the ``curl`` calls that list and replay the 
 Exit status 0 when every run completed, the known customers' invoices were applied, the
 deliberate letters are there, and nothing else was dead: those letters are counted apart
 (``dead_on_purpose``), so any other dead letter still fails ``make demo``.
+
+Why this module reads both the database and Redis itself: the demo is a script that checks the
+whole pipeline from outside, as a user would, and its summary counts both ends (runs, outbox
+rows and receipts in the database; entries and dead letters in Redis, ``XLEN``).
 """
 
 from __future__ import annotations

@@ -5,6 +5,10 @@ A second group, ``billing``, books ``invoice.issued`` events of the stream ``inv
 issues a few invoices for known customers and some for a customer whose row it adds only once
 their letters are dead, so a replay from the console then applies them (issue 26). This module
 is the producer's side of that story and the demo's accounting of its letters.
+
+Why it touches both sides: the accounting compares the billing group's receipts (its own
+statements) with the letters in Redis, which it reads through
+:func:`consumer.dead_letters.list_letters` (it sends no Redis command itself).
 """
 
 from __future__ import annotations

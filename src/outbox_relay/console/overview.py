@@ -14,7 +14,6 @@ from typing import Any
 from sqlalchemy import Engine
 
 from outbox_relay.relay import backlog as relay_backlog
-from outbox_relay.shared.db import now_ms
 
 StatusReport = Callable[[], dict[str, Any]]
 """``outbox status --json``'s report, taken when called."""
@@ -22,12 +21,12 @@ StatusReport = Callable[[], dict[str, Any]]
 
 def backlog(engine: Engine) -> dict[str, Any]:
     """Undelivered rows per stream partition and how long the oldest deliverable one has
-    waited (from its ``available_at_ms``: a delayed event is not late before it is due)."""
-    now = now_ms()
+    waited (from its ``available_at_ms``: a delayed event is not late before it is due), by
+    the database's clock."""
     parts = sorted(relay_backlog.backlog(engine), key=lambda p: (p.stream, p.partition))
     rows: list[dict[str, Any]] = [
         {"stream": p.stream, "partition": p.partition, "undelivered": p.rows,
-         "oldest_age_s": round(max(now - p.oldest_available_at_ms, 0) / 1000, 3)}
+         "oldest_age_s": round(p.waited_ms / 1000, 3)}
         for p in parts]
     return {"undelivered": sum(p.rows for p in parts),
             "oldest_undelivered_age_s": max(

@@ -6,6 +6,9 @@ duplicate matched, the aggregates' heads raised to the revisions applied, and th
 upserted for a ``failed`` event with its next attempt time (deleted once it is settled). Each
 is one set-based statement whatever the batch size: PostgreSQL joins
 ``json_to_recordset(...)`` (:func:`shared.db.json_recordset`), SQLite its own upsert.
+
+One write prepares a claim instead: a dead-letter replay first deletes the group's ``dead``
+(or ``lost``) receipt of its event (:func:`reopen_dead_receipt`), so the claim decides again.
 """
 
 from __future__ import annotations
@@ -15,10 +18,21 @@ import json
 from collections.abc import Iterable
 from typing import Any
 
-from sqlalchemy import BigInteger, Connection, String, bindparam, column, select, update
+from sqlalchemy import (
+    BigInteger,
+    Connection,
+    Engine,
+    String,
+    bindparam,
+    column,
+    delete,
+    select,
+    update,
+)
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Dialect
 
+from outbox_relay.consumer.lost import LOST
 from outbox_relay.consumer.ordering import (
     APPLIED,
     CONFLICTING_DUPLICATE,
@@ -32,6 +46,7 @@ from outbox_relay.consumer.ordering import (
     aggregate_key,
 )
 from outbox_relay.shared.db import is_postgres, json_recordset, now_ms
+from outbox_relay.shared.db_errors import translate_errors
 from outbox_relay.shared.schema import consumer_retries, inbox, inbox_heads
 
 
@@ -212,3 +227,21 @@ def _heads_query() -> Any:
         set_={"revision": ins.excluded.revision, "updated_at_ms": ins.excluded.updated_at_ms},
         where=inbox_heads.c.revision < ins.excluded.revision,
     )
+
+
+def reopen_dead_receipt(engine: Engine, group: str, event_id: str) -> int:
+    """Delete the group's ``dead`` (or ``lost``: consumer/lost.py) receipt of ``event_id`` so
+    the claim can decide again (a dead-letter replay, :func:`consumer.dead_letters.replay`).
+
+    Its own transaction, just before the replay's claim; it touches nothing but a ``dead`` or
+    ``lost`` outcome. Returns rows deleted (0 or 1).
+    """
+    with translate_errors(), engine.begin() as conn:
+        result = conn.execute(
+            delete(inbox).where(
+                inbox.c.group_name == group,
+                inbox.c.event_id == event_id,
+                inbox.c.outcome.in_((DEAD, LOST)),
+            )
+        )
+        return int(result.rowcount or 0)

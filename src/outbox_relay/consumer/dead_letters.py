@@ -3,8 +3,11 @@
 The consumer copies an entry it cannot handle to its partition's dead-letter stream
 (``prefix:{stream:partition}:dead``, see :mod:`shared.keys`) with the original fields plus
 ``dlq.*`` fields saying why (``dlq.reason`` is a reason code), where from (``dlq.stream``,
-``dlq.entry_id``), for which group and after how many deliveries. This module owns every Redis
-command on those streams (``SCAN``, ``XRANGE``, ``XDEL``).
+``dlq.entry_id``), for which group and after how many deliveries. This module says what letters
+mean and what an operator may do with them; the Redis commands it sends on those streams
+(``SCAN``, ``XRANGE``, ``XDEL``) are in :mod:`consumer.letter_streams`, and the one SQL statement
+of a replay besides its claim (:func:`consumer.claim_writes.reopen_dead_receipt`) with the
+claim's writes.
 
 **Replay claims directly; it does not ``XADD`` the entry back.** Re-adding the fields to the
 partition stream would be wrong three ways: the stream would hold the event twice (invariant 2:
@@ -37,16 +40,16 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import redis
-from sqlalchemy import Engine, delete
+from sqlalchemy import Engine
 
-from outbox_relay.consumer import inbox, lost
+from outbox_relay.consumer import claim_writes, inbox, letter_streams
 from outbox_relay.consumer.handlers import Handlers
+from outbox_relay.consumer.letter_streams import dead_keys
 from outbox_relay.consumer.streams import text
 from outbox_relay.shared import keys
-from outbox_relay.shared.db_errors import translate_errors
 from outbox_relay.shared.envelope import DEFAULT_MAX_DATA_BYTES, Event
 from outbox_relay.shared.errors import (
     ConfigError,
@@ -54,14 +57,10 @@ from outbox_relay.shared.errors import (
     InvalidRequestError,
     NotFoundError,
 )
-from outbox_relay.shared.redis_conn import translate_redis_errors
-from outbox_relay.shared.schema import inbox as inbox_table
 
 log = logging.getLogger(__name__)
 
 META = "dlq."
-# The suffix keys.dead_letter_key puts after a partition's stream key, derived, not repeated.
-_DEAD_SUFFIX = keys.dead_letter_key("p", "s", 0).removeprefix(keys.stream_key("p", "s", 0))
 SETTLED = (inbox.APPLIED, inbox.DUPLICATE)
 
 
@@ -119,27 +118,6 @@ class Replayed:
     outcome: str  # applied | duplicate | failed | invalid | skipped
     detail: str = ""
     removed: bool = False
-
-
-def dead_keys(
-    client: redis.Redis, prefix: str, stream: str | None = None, partition: int | None = None
-) -> list[str]:
-    """Every dead-letter stream under ``prefix`` (optionally of one stream/partition), sorted."""
-    if stream is not None and partition is not None:
-        return [keys.dead_letter_key(prefix, stream, partition)]
-    found: list[tuple[str, int, str]] = []
-    with translate_redis_errors():
-        pattern = keys.stream_key_pattern(prefix) + _DEAD_SUFFIX
-        for raw in client.scan_iter(match=pattern, count=1000):
-            key = text(raw)
-            parsed = keys.parse_stream_key(prefix, key.removesuffix(_DEAD_SUFFIX))
-            if parsed is None:
-                continue
-            if (stream is None or parsed[0] == stream) and (
-                partition is None or parsed[1] == partition
-            ):
-                found.append((parsed[0], parsed[1], key))
-    return [key for _s, _p, key in sorted(found)]
 
 
 def list_letters(
@@ -215,7 +193,7 @@ def replay(
         return Replayed(lid, "invalid", err.code)
     if handlers.get(event.type) is None:
         return Replayed(lid, "skipped", "unknown_type: no handler for this type")
-    reopen_dead_receipt(engine, group, event.id)
+    claim_writes.reopen_dead_receipt(engine, group, event.id)
     delivery = inbox.Delivery(
         letter.meta.get("stream", ""), letter.meta.get("entry_id", ""), event,
         int(letter.meta.get("deliveries", "1") or 1), replay=True,
@@ -315,7 +293,7 @@ def find(
     scanned = 0
     last: DeadLetter | None = None
     for key in dead_keys(client, prefix, chosen.stream, chosen.partition):
-        at = keys.parse_stream_key(prefix, key.removesuffix(_DEAD_SUFFIX))
+        at = letter_streams.partition_of(prefix, key)
         if start_at is not None and at is not None and at < start_at:
             continue
         start = start_id if at == start_at else "-"
@@ -338,8 +316,7 @@ def find(
 
 def discard(client: redis.Redis, letter: DeadLetter) -> bool:
     """``XDEL`` the letter; ``False`` when it was already gone (deleted by someone else)."""
-    with translate_redis_errors():
-        return int(client.xdel(letter.key, letter.dead_id)) == 1
+    return letter_streams.delete(client, letter.key, letter.dead_id) == 1
 
 
 def letters_by_group(
@@ -378,9 +355,8 @@ def purge(
             page = _read(client, prefix, key, start, batch, end=end)
             chosen = [letter.dead_id for letter in page
                       if group is None or letter.group == group]
-            if chosen and not dry_run:
-                with translate_redis_errors():
-                    client.xdel(key, *chosen)
+            if not dry_run:
+                letter_streams.delete(client, key, *chosen)
             removed += len(chosen)
             if len(page) < batch:
                 break
@@ -390,27 +366,7 @@ def purge(
 
 def remove(client: redis.Redis, letter: DeadLetter) -> None:
     """``XDEL`` the letter from its dead-letter stream."""
-    with translate_redis_errors():
-        client.xdel(letter.key, letter.dead_id)
-
-
-def reopen_dead_receipt(engine: Engine, group: str, event_id: str) -> int:
-    """Delete the group's ``dead`` (or ``lost``: consumer/lost.py) receipt of ``event_id`` so
-    the claim can decide again.
-
-    The only SQL statement outside the claim (:mod:`consumer.inbox`, whose transaction is
-    shared with the daemon, and :mod:`consumer.claim_writes`); it touches nothing but a
-    ``dead`` outcome. Returns rows deleted (0 or 1).
-    """
-    with translate_errors(), engine.begin() as conn:
-        result = conn.execute(
-            delete(inbox_table).where(
-                inbox_table.c.group_name == group,
-                inbox_table.c.event_id == event_id,
-                inbox_table.c.outcome.in_((inbox.DEAD, lost.LOST)),
-            )
-        )
-        return int(result.rowcount or 0)
+    letter_streams.delete(client, letter.key, letter.dead_id)
 
 
 def _walk(
@@ -418,25 +374,21 @@ def _walk(
 ) -> Iterator[DeadLetter]:
     """Every letter of the given streams, read in pages, robust to deletes behind the cursor."""
     for key in dead:
-        start = "-"
-        while True:
-            page = _read(client, prefix, key, start, batch)
-            yield from page
-            if len(page) < batch:
-                break
-            start = f"({page[-1].dead_id}"
+        parsed = letter_streams.partition_of(prefix, key)
+        if parsed is None:
+            continue
+        for page in letter_streams.walk(client, key, batch):
+            yield from (_letter(key, parsed, dead_id, fields) for dead_id, fields in page)
 
 
 def _read(
     client: redis.Redis, prefix: str, key: str, start: str, count: int, *, end: str = "+"
 ) -> list[DeadLetter]:
-    parsed = keys.parse_stream_key(prefix, key.removesuffix(_DEAD_SUFFIX))
+    parsed = letter_streams.partition_of(prefix, key)
     if parsed is None:
         return []
-    with translate_redis_errors():
-        reply = client.xrange(key, start, end, count=count)
-    rows = cast(list[tuple[bytes, dict[bytes, bytes]]], reply)
-    return [_letter(key, parsed, text(dead_id), fields) for dead_id, fields in rows]
+    return [_letter(key, parsed, dead_id, fields)
+            for dead_id, fields in letter_streams.read_range(client, key, start, count, end=end)]
 
 
 def _letter(

@@ -3,9 +3,11 @@
 ``XPENDING`` summaries, ``XINFO GROUPS`` and each stream's newest entry, pipelined: how many
 entries of the group are pending (:func:`group_pending`, :func:`foreign_pending`: on which keys
 another consumer holds some), how many are unread (:func:`unread`, :func:`outstanding`), and
-whether the group is done with its streams (:func:`group_idle`, ``--until-idle``). Nothing
-here changes a stream or a group: the consumer's commands that do are in
-:mod:`consumer.streams`.
+whether the group is done with its streams (:func:`group_idle`, ``--until-idle``). The
+consumer's gauges (:func:`owned_streams`), its readiness (:func:`missing_group`) and
+``outbox status`` (:func:`stream_report`) read their Redis side here too. Nothing here changes
+a stream or a group: the consumer's commands that do are in :mod:`consumer.streams` and
+:mod:`consumer.letter_streams`.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from typing import Any
 import redis
 
 from outbox_relay.consumer.streams import id_tuple, text
-from outbox_relay.shared.redis_conn import translate_redis_errors
+from outbox_relay.shared import keys
+from outbox_relay.shared.redis_conn import node_of, translate_redis_errors
 
 
 def group_pending(client: redis.Redis, stream_keys: list[str], group: str) -> dict[str, int]:
@@ -132,6 +135,107 @@ def unread(group_info: Mapping[str, Any], newest: list[Any] | None) -> int | Non
         return 0
     lag = group_info.get("lag")
     return None if lag is None else int(lag)
+
+
+def owned_streams(
+    client: redis.Redis, prefix: str, group: str, owned: Mapping[str, tuple[str, int]]
+) -> list[tuple[Any, Any, Any, Any, Any]]:
+    """Per key of ``owned`` (stream key -> ``(stream, partition)``): (XPENDING summary, XINFO
+    GROUPS, XLEN of its dead-letter stream, XLEN of the stream, its newest entry), in one
+    pipeline; a command Redis refused (no group yet) leaves its error in place, a lost
+    connection raises."""
+    if not owned:
+        return []
+    with translate_redis_errors():
+        pipe = client.pipeline(transaction=False)
+        for key, (stream, partition) in owned.items():
+            pipe.xpending(key, group)
+            pipe.xinfo_groups(key)
+            pipe.xlen(keys.dead_letter_key(prefix, stream, partition))
+            pipe.xlen(key)
+            pipe.xrevrange(key, count=1)  # the newest entry: lag 0 once the group read it
+        flat: list[Any] = pipe.execute(raise_on_error=False)
+        _raise_unavailable(flat)
+    return [(flat[i], flat[i + 1], flat[i + 2], flat[i + 3], flat[i + 4])
+            for i in range(0, len(flat), 5)]
+
+
+def missing_group(client: redis.Redis, stream_keys: list[str], group: str) -> list[str]:
+    """The keys on which ``group`` does not exist (``XINFO GROUPS``, pipelined; a lost
+    connection raises)."""
+    with translate_redis_errors():
+        pipe = client.pipeline(transaction=False)
+        for key in stream_keys:
+            pipe.xinfo_groups(key)
+        replies: list[Any] = pipe.execute(raise_on_error=False)
+        _raise_unavailable(replies)
+    return [k for k, r in zip(stream_keys, replies, strict=True)
+            if group_info(r, group) is None]
+
+
+def group_info(groups: Any, group: str) -> dict[str, Any] | None:
+    """``group``'s entry in an ``XINFO GROUPS`` reply (None: absent, or the reply an error)."""
+    if not isinstance(groups, list):
+        return None
+    for g in groups:
+        name = g.get("name")
+        if (name.decode() if isinstance(name, bytes) else name) == group:
+            return dict(g)
+    return None
+
+
+def _raise_unavailable(replies: list[Any]) -> None:
+    """Re-raise a connection error left in a pipeline's replies (a refused command, such as
+    ``NOGROUP`` before the group exists, stays in place as "no value")."""
+    for reply in replies:
+        if isinstance(reply, redis.ConnectionError | redis.TimeoutError):
+            raise reply
+
+
+def stream_report(
+    client: redis.Redis, prefix: str, known: set[tuple[str, int]]
+) -> list[dict[str, Any]]:
+    """``outbox status``'s view of the streams: each partition stream ``known`` (the
+    database's, :func:`shared.partition_counts.known_partitions`), wherever it lives (on Redis
+    Cluster, on its slot's master), and any other stream under ``prefix`` that a ``SCAN`` of
+    the Redis we are connected to finds (written by hand); per stream its length, its groups
+    (consumers, pending, lag, last delivered id), its dead letters and its cluster node."""
+    out = []
+    with translate_redis_errors():
+        found = sorted({keys.stream_key(prefix, s, p) for s, p in known} | {
+            k.decode() for k in client.scan_iter(match=keys.stream_key_pattern(prefix), count=1000)
+        })
+        for key in found:
+            parsed = keys.parse_stream_key(prefix, key)
+            if parsed is None or client.type(key) != b"stream":
+                continue
+            try:  # the newest entry: a group that read it has no lag (unread)
+                newest: Any = client.xrevrange(key, count=1)
+            except redis.exceptions.NoPermissionError:  # an older ACL (docs/security.md) lacks it
+                newest = None
+            groups = [
+                {
+                    "name": g["name"].decode(),
+                    "consumers": g["consumers"],
+                    "pending": g["pending"],
+                    "lag": unread(g, newest),
+                    "last_delivered_id": g["last-delivered-id"].decode(),
+                }
+                for g in client.xinfo_groups(key)
+            ]
+            out.append(
+                {
+                    "key": key,
+                    "stream": parsed[0],
+                    "partition": parsed[1],
+                    "length": client.xlen(key),
+                    "groups": groups,
+                    "dead_letters": client.xlen(keys.dead_letter_key(prefix, *parsed)),
+                    # On Redis Cluster, the master holding the stream's slot (None elsewhere).
+                    "node": getattr(node_of(client, key), "name", None),
+                }
+            )
+    return out
 
 
 def _bytes(value: bytes | str) -> bytes:

@@ -9,11 +9,12 @@ after by one consumer at a time. What it guarantees:
 
 - **A consumer is removed only when it has nothing pending.** ``XGROUP DELCONSUMER`` drops the
   consumer's pending entries with it (they would be lost: no one could read or take them over).
-  So one script per key does the check and the delete (:data:`DROP_IDLE`): ``XINFO CONSUMERS``,
-  then ``DELCONSUMER`` only for consumers idle longer than ``consumer_idle_s`` with ``pending``
-  0, never the caller itself. Redis runs a script alone, so nothing can be delivered to a
-  consumer between the check and the delete. Removing a consumer that is in fact alive but idle
-  costs nothing: its next ``XREADGROUP`` or ``XCLAIM`` creates it again.
+  So one script per key does the check and the delete (:data:`consumer.streams.DROP_IDLE`):
+  ``XINFO CONSUMERS``, then ``DELCONSUMER`` only for consumers idle longer than
+  ``consumer_idle_s`` with ``pending`` 0, never the caller itself. Redis runs a script alone,
+  so nothing can be delivered to a consumer between the check and the delete. Removing a
+  consumer that is in fact alive but idle costs nothing: its next ``XREADGROUP`` or
+  ``XCLAIM`` creates it again.
 - **Heartbeat rows** (``outbox_consumer_nodes``) that expired more than ``consumer_idle_s`` ago
   are deleted, of any group (:func:`consumer.ownership.forget_nodes` says why that is safe).
 - **Dead letters** older than ``retention_dead_letters`` are trimmed with an exact
@@ -29,26 +30,25 @@ after by one consumer at a time. What it guarantees:
   among their consumers applies to all of them.
 
 Each rule is off when its setting is 0. Redis or database unavailable: the task is retried at
-its next interval (:class:`shared.periodic.Periodic`).
+its next interval (:class:`shared.periodic.Periodic`). This module decides; it sends no command
+itself: the script is :func:`consumer.streams.drop_idle_consumers`, the trim
+:func:`consumer.letter_streams.trim_before`, the heartbeat rows'
+:func:`consumer.ownership.forget_nodes`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import redis
 from sqlalchemy import Engine
 
-from outbox_relay.consumer import ownership
+from outbox_relay.consumer import letter_streams, ownership, streams
 from outbox_relay.shared import keys
-from outbox_relay.shared.errors import UnavailableError
 from outbox_relay.shared.periodic import Periodic
-from outbox_relay.shared.redis_conn import translate_redis_errors
 from outbox_relay.shared.settings import ConsumerSettings
 
 if TYPE_CHECKING:
@@ -57,34 +57,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MAX_INTERVAL_S = 60.0
-
-# KEYS[1] a partition stream; ARGV: group, idle limit (ms), the caller's consumer name.
-# Returns the names removed. A missing stream or group has no consumers to remove; any other
-# error (an ACL refusal) is returned as the error it is.
-DROP_IDLE = """
-local reply = redis.pcall('XINFO', 'CONSUMERS', KEYS[1], ARGV[1])
-if type(reply) == 'table' and reply.err then
-  local err = reply.err
-  if string.find(err, 'NOGROUP', 1, true) == 1 or string.find(err, 'no such key', 1, true) then
-    return {}
-  end
-  return reply
-end
-local limit = tonumber(ARGV[2])
-local removed = {}
-for _, consumer in ipairs(reply) do
-  local info = {}
-  for i = 1, #consumer, 2 do
-    info[consumer[i]] = consumer[i + 1]
-  end
-  if info['name'] ~= ARGV[3] and info['pending'] == 0 and info['idle'] > limit then
-    redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], info['name'])
-    removed[#removed + 1] = info['name']
-  end
-end
-return removed
-"""
-
 
 @dataclass
 class HygieneStats:
@@ -110,7 +82,6 @@ class GroupHygiene:
         self.client = client
         self.leases = leases
         self.stats = HygieneStats()
-        self._drop_idle = client.register_script(DROP_IDLE)
 
     @property
     def enabled(self) -> bool:
@@ -140,44 +111,22 @@ class GroupHygiene:
 
     def remove_idle_consumers(self, stream_keys: list[str], idle_ms: int) -> list[str]:
         """Remove, on each key, the group's consumers idle more than ``idle_ms`` with nothing
-        pending, except ourselves (:data:`DROP_IDLE`, one script per key); their names."""
+        pending, except ourselves (:func:`consumer.streams.drop_idle_consumers`); their
+        names."""
         group, me = self.settings.group, self.leases.consumer
-        removed: list[str] = []
-        with translate_redis_errors(), _refusals_in_scripts():
-            for key in stream_keys:
-                names: Any = self._drop_idle(keys=[key], args=[group, idle_ms, me])
-                removed += [n.decode() if isinstance(n, bytes) else str(n) for n in names]
+        removed = streams.drop_idle_consumers(self.client, stream_keys, group, idle_ms, me)
         if removed:
             log.info("removed %d idle consumer(s) with nothing pending from group %s: %s",
                      len(removed), group, sorted(set(removed)))
         return removed
 
     def trim_dead_letters(self, dead_keys: list[str], cutoff_ms: int) -> int:
-        """``XTRIM key MINID cutoff_ms`` (exact) on each dead-letter stream, pipelined; the
-        number of letters removed."""
-        if not dead_keys or cutoff_ms <= 0:
-            return 0
-        with translate_redis_errors():
-            pipe = self.client.pipeline(transaction=False)
-            for key in dead_keys:
-                pipe.xtrim(key, minid=cutoff_ms, approximate=False)
-            trimmed = sum(int(n) for n in pipe.execute())
+        """``XTRIM key MINID cutoff_ms`` (exact) on each dead-letter stream
+        (:func:`consumer.letter_streams.trim_before`); the number of letters removed."""
+        trimmed = letter_streams.trim_before(self.client, dead_keys, cutoff_ms)
         if trimmed:
             log.info("trimmed %d dead letter(s) older than the retention", trimmed)
         return trimmed
-
-
-@contextlib.contextmanager
-def _refusals_in_scripts() -> Iterator[None]:
-    """An ACL refusal of a command inside a script comes back without the ``NOPERM`` code
-    (``The user executing the script can't run this command…``): report it as one, so the
-    periodic task logs it and retries instead of stopping the consumer."""
-    try:
-        yield
-    except redis.ResponseError as err:
-        if "can't run this command" in str(err):
-            raise UnavailableError("Redis refused the command for our user (ACL)") from err
-        raise
 
 
 def install(consumer: Consumer) -> GroupHygiene | None:

@@ -11,10 +11,11 @@ Three kinds, by what they cost:
   each handler call's duration by event type (one observation per event, from a wrapper
   :meth:`consumer.handlers.Handlers.instrument` installs).
 - Gauges read at scrape time over the partition streams this consumer owns (so summing over
-  the consumers of a group counts each stream once): from Redis, in one pipelined round
-  trip, pending entries (PEL) and the age of the oldest, the group's lag, the length of
-  each dead-letter stream, and the leases held; from the database, in one query, the
-  entries waiting for a retry and the age of the oldest one's first failure.
+  the consumers of a group counts each stream once): from Redis, in one pipelined round trip
+  (:func:`consumer.group_status.owned_streams`), pending entries (PEL) and the age of the
+  oldest, the group's lag, the length of each dead-letter stream, and the leases held; from
+  the database, in one query (:func:`consumer.inbox.retrying`), the entries waiting for a
+  retry and the age of the oldest one's first failure. This module sends no command itself.
 
 Labels stay bounded: group, stream, partition, outcome, reason (our codes, a handler's error
 class) and type, which is the event type when a handler is registered for it by name, ``*``
@@ -29,9 +30,8 @@ import logging
 import time
 from collections import Counter as Tally
 from collections.abc import Generator, Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-import redis
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -40,7 +40,6 @@ from sqlalchemy import Connection
 from outbox_relay.consumer import group_status, inbox
 from outbox_relay.consumer.handlers import Handler
 from outbox_relay.consumer.ordering import DEAD, DUPLICATE, FAILED, Outcome
-from outbox_relay.shared import keys
 from outbox_relay.shared.db import now_ms
 from outbox_relay.shared.envelope import Event
 from outbox_relay.shared.errors import OutboxError
@@ -53,7 +52,6 @@ from outbox_relay.shared.metrics import (
     discover,
     scrape_up,
 )
-from outbox_relay.shared.redis_conn import translate_redis_errors
 
 if TYPE_CHECKING:
     from outbox_relay.consumer.daemon import Consumer
@@ -251,7 +249,8 @@ class StreamsCollector(Collector):
         c = self.consumer
         group = c.settings.group
         try:
-            replies = _stream_replies(c, owned)
+            replies = group_status.owned_streams(
+                c.client, c.settings.key_prefix, group, {k: c.leases.ids[k] for k in owned})
         except OutboxError as err:
             log.debug("stream gauges skipped: %s", err)
             return False
@@ -284,7 +283,7 @@ class StreamsCollector(Collector):
                 first = summary.get("min")
                 age_ms = now - _id_ms(first) if first else 0
                 oldest.add_metric(values, max(age_ms, 0) / 1000)
-            found = _group_info(groups, group)
+            found = group_status.group_info(groups, group)
             behind = None if found is None or not isinstance(newest, list) else \
                 group_status.unread(found, newest)
             if behind is not None:
@@ -297,48 +296,6 @@ class StreamsCollector(Collector):
         return True
 
 
-def _stream_replies(
-    consumer: Consumer, owned: list[str]
-) -> list[tuple[Any, Any, Any, Any, Any]]:
-    """Per owned key: (XPENDING summary, XINFO GROUPS, XLEN of its dead-letter stream, XLEN of
-    the stream, its newest entry), in one pipeline; a command Redis refused (no group yet)
-    leaves its error in place."""
-    if not owned:
-        return []
-    prefix, group = consumer.settings.key_prefix, consumer.settings.group
-    with translate_redis_errors():
-        pipe = consumer.client.pipeline(transaction=False)
-        for key in owned:
-            stream, partition = consumer.leases.ids[key]
-            pipe.xpending(key, group)
-            pipe.xinfo_groups(key)
-            pipe.xlen(keys.dead_letter_key(prefix, stream, partition))
-            pipe.xlen(key)
-            pipe.xrevrange(key, count=1)  # the newest entry: lag 0 once the group read it
-        flat: list[Any] = pipe.execute(raise_on_error=False)
-        _raise_unavailable(flat)
-    return [(flat[i], flat[i + 1], flat[i + 2], flat[i + 3], flat[i + 4])
-            for i in range(0, len(flat), 5)]
-
-
-def _raise_unavailable(replies: list[Any]) -> None:
-    """Re-raise a connection error left in a pipeline's replies (a refused command, such as
-    ``NOGROUP`` before the group exists, stays in place as "no value")."""
-    for reply in replies:
-        if isinstance(reply, redis.ConnectionError | redis.TimeoutError):
-            raise reply
-
-
-def _group_info(groups: Any, group: str) -> dict[str, Any] | None:
-    if not isinstance(groups, list):
-        return None
-    for g in groups:
-        name = g.get("name")
-        if (name.decode() if isinstance(name, bytes) else name) == group:
-            return dict(g)
-    return None
-
-
 def _id_ms(entry_id: bytes | str) -> int:
     text = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
     return int(text.partition("-")[0])
@@ -347,14 +304,7 @@ def _id_ms(entry_id: bytes | str) -> int:
 def groups_check(consumer: Consumer) -> None:
     """Readiness: the consumer group exists on every partition stream this consumer reads."""
     group = consumer.settings.group
-    with translate_redis_errors():
-        pipe = consumer.client.pipeline(transaction=False)
-        for key in consumer.keys:
-            pipe.xinfo_groups(key)
-        replies: list[Any] = pipe.execute(raise_on_error=False)
-        _raise_unavailable(replies)
-    missing = [k for k, r in zip(consumer.keys, replies, strict=True)
-               if _group_info(r, group) is None]
+    missing = group_status.missing_group(consumer.client, consumer.keys, group)
     if missing:
         raise OutboxError(f"group {group} is missing on {len(missing)} of "
                           f"{len(consumer.keys)} partition stream(s)", code="group_missing")

@@ -7,8 +7,9 @@ so a receipt is pruned only when its event cannot come back and nobody needs its
     or ``superseded`` (``dead``, and any outcome a later release adds, such as a trimmed
     entry's ``lost``) is the database side of a letter in the dead-letter stream of its
     partition (:func:`shared.keys.dead_letter_key`); replaying that letter relies on it. Before
-    deleting such receipts, the pruner reads that stream's letters (``XRANGE`` in pages: the
-    original ``id`` field, ``dlq.group``, ``dlq.stream`` and ``dlq.entry_id``) and keeps every
+    deleting such receipts, the pruner reads that stream's letters (``XRANGE`` in pages, sent
+    by :mod:`consumer.letter_streams`: the original ``id`` field, ``dlq.group``, ``dlq.stream``
+    and ``dlq.entry_id``) and keeps every
     receipt whose letter is still there, matched by group and event id, or by group and stream
     entry (a ``lost`` letter may know no event id); a letter without ``dlq.group`` protects the
     receipts of every group. A letter only disappears later (replay, dead-letter retention);
@@ -40,22 +41,24 @@ re-checks their age (a replayed dead receipt is rewritten with a new time and is
 and, on PostgreSQL, takes the rows with ``FOR UPDATE SKIP LOCKED``: several consumers (of any
 groups) can prune at once and each receipt is deleted, and counted, once. Heads are deleted
 in one statement per batch, with the same lock clause on PostgreSQL.
+
+Every SQL statement of inbox retention is here; this module sends no Redis command itself
+(the letters are read by :mod:`consumer.letter_streams`).
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 import redis
 from sqlalchemy import Connection, Engine, and_, delete, func, or_, select, tuple_
 
+from outbox_relay.consumer import letter_streams
 from outbox_relay.consumer.ordering import APPLIED, SUPERSEDED
-from outbox_relay.shared import keys
 from outbox_relay.shared.db import db_now_ms, is_postgres
 from outbox_relay.shared.db_errors import translate_errors
-from outbox_relay.shared.redis_conn import translate_redis_errors
 from outbox_relay.shared.schema import (
     consumer_retries,
     inbox,
@@ -68,8 +71,6 @@ log = logging.getLogger(__name__)
 
 # Outcomes that settle an event for good: no letter stands for them.
 SETTLED = frozenset({APPLIED, SUPERSEDED})
-# The suffix keys.dead_letter_key puts after a partition's stream key, derived, not repeated.
-_DEAD_SUFFIX = keys.dead_letter_key("p", "s", 0).removeprefix(keys.stream_key("p", "s", 0))
 LETTER_PAGE = 500
 KEYS_PER_STATEMENT = 5_000
 
@@ -244,7 +245,7 @@ class InboxPruner:
 
     def _lettered(self, letters: dict[str, _Letters], r: Any) -> bool:
         """Whether the dead-letter stream of the receipt's partition holds its letter."""
-        dead_key = f"{r.stream_key}{_DEAD_SUFFIX}"
+        dead_key = f"{r.stream_key}{letter_streams.DEAD_SUFFIX}"
         if dead_key not in letters:
             letters[dead_key] = read_letters(self.client, dead_key)
         return letters[dead_key].has(r.group_name, r.event_id, r.stream_key, r.entry_id)
@@ -307,23 +308,18 @@ class InboxPruner:
 
 
 def read_letters(client: redis.Redis, dead_key: str) -> _Letters:
-    """What every letter in ``dead_key`` stands for (see :class:`_Letters`), read in pages."""
+    """What every letter in ``dead_key`` stands for (see :class:`_Letters`), read in pages
+    (:func:`consumer.letter_streams.walk`)."""
     found = _Letters()
-    start = "-"
-    with translate_redis_errors():
-        while True:
-            page = cast(list[tuple[bytes, dict[bytes, bytes]]],
-                        client.xrange(dead_key, start, "+", count=LETTER_PAGE))
-            for _id, fields in page:
-                group = _text(fields.get(b"dlq.group"))
-                if b"id" in fields:
-                    found.events.add((group, _text(fields[b"id"])))
-                if b"dlq.stream" in fields and b"dlq.entry_id" in fields:
-                    found.entries.add((group, _text(fields[b"dlq.stream"]),
-                                       _text(fields[b"dlq.entry_id"])))
-            if len(page) < LETTER_PAGE:
-                return found
-            start = "(" + page[-1][0].decode()
+    for page in letter_streams.walk(client, dead_key, LETTER_PAGE):
+        for _id, fields in page:
+            group = _text(fields.get(b"dlq.group"))
+            if b"id" in fields:
+                found.events.add((group, _text(fields[b"id"])))
+            if b"dlq.stream" in fields and b"dlq.entry_id" in fields:
+                found.entries.add((group, _text(fields[b"dlq.stream"]),
+                                   _text(fields[b"dlq.entry_id"])))
+    return found
 
 
 def _text(value: bytes | None) -> str:

@@ -1,7 +1,11 @@
 """The consumer's Redis commands: groups, read, take over, delivery counts, ack, dead letters.
 
-What a group has pending or unread (read-only ``XPENDING`` and ``XINFO``) is read by
-:mod:`consumer.group_status`.
+Every command the consumer sends on its partition streams is here, but two kinds with a
+module of their own: what a group has pending or unread (read-only ``XPENDING``, ``XINFO``,
+``XLEN``) is read by :mod:`consumer.group_status`, and the dead-letter streams are listed,
+read, deleted from and trimmed by :mod:`consumer.letter_streams` (the letters are written
+here, :func:`dead_letter`). Idle consumers leave a group through :func:`drop_idle_consumers`
+(group hygiene, :mod:`consumer.hygiene`).
 
 Reads are bounded in memory (issue 28, finding 6): an entry larger than ``max_entry_bytes``
 never leaves Redis. ``XREADGROUP`` runs inside a small script (:data:`READ_BOUNDED`) that
@@ -18,10 +22,11 @@ counts, memory Redis gives back as soon as the script returns.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +34,7 @@ import redis
 
 from outbox_relay.shared import keys
 from outbox_relay.shared.envelope import DEFAULT_MAX_DATA_BYTES
+from outbox_relay.shared.errors import UnavailableError
 from outbox_relay.shared.redis_conn import is_cluster, translate_redis_errors
 
 log = logging.getLogger(__name__)
@@ -387,3 +393,59 @@ def take_over(
     if trimmed:
         log.warning("%d pending entries of %s were trimmed away", len(trimmed), key)
     return moved, trimmed
+
+
+DROP_IDLE = """
+local reply = redis.pcall('XINFO', 'CONSUMERS', KEYS[1], ARGV[1])
+if type(reply) == 'table' and reply.err then
+  local err = reply.err
+  if string.find(err, 'NOGROUP', 1, true) == 1 or string.find(err, 'no such key', 1, true) then
+    return {}
+  end
+  return reply
+end
+local limit = tonumber(ARGV[2])
+local removed = {}
+for _, consumer in ipairs(reply) do
+  local info = {}
+  for i = 1, #consumer, 2 do
+    info[consumer[i]] = consumer[i + 1]
+  end
+  if info['name'] ~= ARGV[3] and info['pending'] == 0 and info['idle'] > limit then
+    redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], info['name'])
+    removed[#removed + 1] = info['name']
+  end
+end
+return removed
+"""
+"""KEYS[1] a partition stream; ARGV: group, idle limit (ms), the caller's consumer name.
+Returns the names removed. A missing stream or group has no consumers to remove; any other
+error (an ACL refusal) is returned as the error it is."""
+
+
+def drop_idle_consumers(
+    client: redis.Redis, stream_keys: list[str], group: str, idle_ms: int, me: str
+) -> list[str]:
+    """Remove, on each key, the consumers of ``group`` idle more than ``idle_ms`` with nothing
+    pending, never ``me`` (:data:`DROP_IDLE`, one script per key: the check and the
+    ``XGROUP DELCONSUMER`` run alone in Redis); the names removed."""
+    script = client.register_script(DROP_IDLE)
+    removed: list[str] = []
+    with translate_redis_errors(), _refusals_in_scripts():
+        for key in stream_keys:
+            names: Any = script(keys=[key], args=[group, idle_ms, me])
+            removed += [n.decode() if isinstance(n, bytes) else str(n) for n in names]
+    return removed
+
+
+@contextlib.contextmanager
+def _refusals_in_scripts() -> Iterator[None]:
+    """An ACL refusal of a command inside a script comes back without the ``NOPERM`` code
+    (``The user executing the script can't run this command…``): report it as one, so the
+    periodic task logs it and retries instead of stopping the consumer."""
+    try:
+        yield
+    except redis.ResponseError as err:
+        if "can't run this command" in str(err):
+            raise UnavailableError("Redis refused the command for our user (ACL)") from err
+        raise

@@ -1,4 +1,8 @@
-"""Every Redis command of the relay: the batch append script, its verdicts, the barrier.
+"""The relay's append to Redis: the batch append script, its verdicts, the barrier.
+
+The relay's other Redis commands: the fence every writing script starts with
+(:mod:`relay.fence`, which also runs them), broker-loss repair (:mod:`relay.repair_streams`)
+and the trim script (:data:`relay.trim.SCRIPT`, run fenced).
 
 ``append`` sends one partition's batch as one server-side script call per stream key
 (:data:`SCRIPT`, run with ``EVALSHA``; several keys go in one pipeline). The script first

@@ -1,28 +1,40 @@
-"""What the relay's gauges read from the database when ``/metrics`` is scraped.
+"""What the relay's gauges, its progress line and ``outbox status`` read of the outbox backlog.
 
 One statement over the pending rows (the partial index ``ix_outbox_events_pending`` holds only
 undelivered rows, so its cost follows the backlog, not the table), in a read-only transaction
-of its own, never on the relay's loop thread.
+of its own, never on the relay's loop thread. How long a row has waited is measured with the
+database's clock (:func:`shared.db.db_now_ms`), the clock that wrote its ``available_at_ms``,
+so a relay or status host whose clock is off reads the same age.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from sqlalchemy import Engine, func, select
 
+from outbox_relay.shared.db import db_now_ms, is_postgres, now_ms
 from outbox_relay.shared.db_errors import translate_errors
 from outbox_relay.shared.schema import outbox
 
 
 @dataclass(frozen=True)
 class PartitionBacklog:
-    """Undelivered rows of one stream partition, and when the oldest became deliverable."""
+    """Undelivered rows of one stream partition, when the oldest became deliverable, and the
+    database's clock when they were counted (``now_ms``)."""
 
     stream: str
     partition: int
     rows: int
     oldest_available_at_ms: int
+    now_ms: int
+
+    @property
+    def waited_ms(self) -> int:
+        """How long the oldest row has been deliverable, by the database's clock (0 if none is
+        due yet)."""
+        return max(self.now_ms - self.oldest_available_at_ms, 0)
 
 
 def backlog(engine: Engine) -> list[PartitionBacklog]:
@@ -39,7 +51,37 @@ def backlog(engine: Engine) -> list[PartitionBacklog]:
     )
     with translate_errors(), engine.connect() as conn:
         rows = conn.execute(query).all()
-    return [PartitionBacklog(r[0], int(r[1]), int(r[2]), int(r[3])) for r in rows]
+        now = int(conn.execute(select(db_now_ms(is_postgres(conn)))).scalar_one())
+    return [PartitionBacklog(r[0], int(r[1]), int(r[2]), int(r[3]), now) for r in rows]
+
+
+def summary(engine: Engine) -> dict[str, Any]:
+    """The whole outbox for ``outbox status``: rows undelivered and delivered, the age of the
+    oldest undelivered one (from its ``created_at_ms``, the producer host's clock, so read with
+    this host's; ``None`` when none), and the undelivered rows by last error."""
+    with translate_errors(), engine.connect() as conn:
+        undelivered, oldest = conn.execute(
+            select(func.count(), func.min(outbox.c.created_at_ms)).where(
+                outbox.c.delivered_at_ms.is_(None)
+            )
+        ).one()
+        delivered = conn.execute(
+            select(func.count()).where(outbox.c.delivered_at_ms.is_not(None))
+        ).scalar_one()
+        errors: dict[str, int] = {
+            code: count
+            for code, count in conn.execute(
+                select(outbox.c.last_error, func.count())
+                .where(outbox.c.delivered_at_ms.is_(None), outbox.c.last_error.is_not(None))
+                .group_by(outbox.c.last_error)
+            ).all()
+        }
+    return {
+        "undelivered": undelivered,
+        "delivered": delivered,
+        "oldest_undelivered_age_s": round((now_ms() - oldest) / 1000, 3) if oldest else None,
+        "errors": errors,
+    }
 
 
 REFUSALS = ("redis_oom", "redis_acl", "redis_wrongtype", "redis_not_ready", "redis_error")

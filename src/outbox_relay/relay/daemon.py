@@ -48,7 +48,7 @@ from outbox_relay.relay.prune import PruneStats
 from outbox_relay.relay.wakeup import Wakeup
 from outbox_relay.shared import faults, keys, partition_counts
 from outbox_relay.shared.daemon_control import Backoff, stop_on_signals
-from outbox_relay.shared.db import is_postgres, now_ms
+from outbox_relay.shared.db import is_postgres
 from outbox_relay.shared.errors import LeaseLostError, UnavailableError
 from outbox_relay.shared.periodic import Periodic, run_due
 from outbox_relay.shared.periodic import shutdown as shutdown_periodic
@@ -122,8 +122,9 @@ class Relay:
         done, rate = self._progress.since_last(self.stats.delivered)
         rows = backlog.backlog(self.engine)
         waiting = sum(r.rows for r in rows)
-        oldest = min((r.oldest_available_at_ms for r in rows), default=None)
-        age = None if oldest is None else max(now_ms() - oldest, 0) / 1000
+        # By the database's clock, which wrote available_at_ms (relay/backlog.py).
+        waited = max((r.waited_ms for r in rows), default=None)
+        age = None if waited is None else waited / 1000
         line = (f"relay {self.node_id}: delivered {done:,} events ({rate:,.1f}/s, "
                 f"{self.stats.delivered:,} since start); partitions held "
                 f"{','.join(map(str, sorted(self.leases))) or 'none'}; backlog {waiting:,} rows, "

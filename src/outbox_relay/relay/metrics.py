@@ -29,7 +29,6 @@ from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from outbox_relay.relay import backlog
-from outbox_relay.shared.db import now_ms
 from outbox_relay.shared.errors import OutboxError, UnavailableError
 from outbox_relay.shared.metrics import (
     SECONDS_BUCKETS,
@@ -190,7 +189,6 @@ class BacklogCollector(Collector):
             f"{NAMESPACE}_oldest_undelivered_age_seconds",
             "Seconds since the oldest undelivered row became deliverable (0 if none is due).",
             labels=labels)
-        now = now_ms()
         current = {(b.stream, b.partition): b for b in found}
         # Every partition of every stream known (pending rows now, delivered rows found by
         # the repair check, or seen before): a drained partition reads 0 rather than vanish.
@@ -201,7 +199,7 @@ class BacklogCollector(Collector):
             b = current.get((stream, partition))
             values = [stream, str(partition)]
             rows.add_metric(values, b.rows if b else 0)
-            age.add_metric(values, max(now - b.oldest_available_at_ms, 0) / 1000 if b else 0.0)
+            age.add_metric(values, b.waited_ms / 1000 if b else 0.0)
         yield rows
         yield age
         yield scrape_up_family(NAMESPACE, {"database": True}, {})

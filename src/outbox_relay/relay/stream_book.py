@@ -6,7 +6,7 @@ its trim floor: :func:`register_streams`, :func:`trim_floor`, :func:`record_trim
 :func:`known_groups`, :func:`record_groups`, :func:`forget_groups`). The trim
 (relay/trim.py) keeps and reads them; the repair check (:mod:`relay.repair_store`) finds the
 streams to check here, without scanning the outbox. :func:`unsettled_ms` tells the trim what a
-recorded batch's retry still needs.
+recorded batch's retry still needs; :func:`trim_report` is what ``outbox status`` shows of it.
 """
 
 from __future__ import annotations
@@ -148,3 +148,26 @@ def forget_groups(engine: Engine, group: str, stream: str | None = None) -> int:
     where = [g.group_name == group] + ([g.stream == stream] if stream is not None else [])
     with translate_errors(), engine.begin() as conn:
         return conn.execute(delete(stream_groups).where(*where)).rowcount or 0
+
+
+def trim_report(engine: Engine) -> dict[tuple[str, int], dict[str, Any]]:
+    """Per ``(stream, partition)`` the book knows: its trim floor (``None`` until a trim
+    removed something: everything below it was acknowledged and trimmed), the entries trimmed
+    so far, and the known groups the last trim found missing (the stream is not trimmed until
+    they are back), by name."""
+    g = stream_groups.c
+    with translate_errors(), engine.connect() as conn:
+        trims = conn.execute(select(stream_trims)).all()
+        missing = conn.execute(select(g.stream, g.partition, g.group_name)
+                               .where(g.missing_since_ms.is_not(None))
+                               .order_by(g.group_name)).all()
+    report: dict[tuple[str, int], dict[str, Any]] = {
+        (r.stream, r.partition): {"trim_floor": r.floor_entry_id if r.trimmed else None,
+                                  "trimmed": r.trimmed, "missing_groups": []}
+        for r in trims
+    }
+    for stream, partition, group in missing:
+        report.setdefault((stream, partition), {"trim_floor": None, "trimmed": 0,
+                                                "missing_groups": []})
+        report[(stream, partition)]["missing_groups"].append(group)
+    return report

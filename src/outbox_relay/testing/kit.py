@@ -27,7 +27,7 @@ from types import TracebackType
 from typing import Any, TypedDict
 
 import redis
-from sqlalchemy import Connection, Engine, create_engine, make_url, text
+from sqlalchemy import Connection, Engine, make_url
 from sqlalchemy.orm import Session
 
 from outbox_relay.consumer.daemon import Consumer
@@ -273,22 +273,8 @@ class Outbox:
         """A schema of this kit's own on PostgreSQL (dropped on close), so that tests can run
         side by side on one database; the URL's connections use it as their search path."""
         schema = self.key_prefix
-        admin = create_engine(url)
-        try:
-            with admin.begin() as conn:
-                conn.execute(text(f'CREATE SCHEMA "{schema}"'))
-        finally:
-            admin.dispose()
-
-        def drop() -> None:
-            dropper = create_engine(url)
-            try:
-                with dropper.begin() as conn:
-                    conn.execute(text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
-            finally:
-                dropper.dispose()
-
-        self._cleanup.append(drop)
+        state.create_schema(url, schema)
+        self._cleanup.append(lambda: state.drop_schema(url, schema))
         return make_url(url).update_query_dict(
             {"options": f"-csearch_path={schema}"}).render_as_string(hide_password=False)
 
@@ -298,8 +284,7 @@ class Outbox:
             prefix = self.key_prefix
 
             def forget() -> None:
-                for key in client.scan_iter(match=f"{prefix}:*", count=1000):
-                    client.delete(key)
+                state.forget_keys(client, prefix)
                 client.close()
 
             self._cleanup.append(forget)

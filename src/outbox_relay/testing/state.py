@@ -3,7 +3,15 @@
 Reads tell :meth:`testing.Outbox.drain` whether anything is left (undelivered outbox rows,
 pending or unread entries of the group, retrying events) and give a test the receipts and
 dead letters to assert on. One write moves the clock: :func:`advance` makes time pass for
-what waits on it (a retry's next attempt, a delayed event) by moving those times back.
+what waits on it (a retry's next attempt, a delayed event) by moving those times back. The
+kit's own resources are made and removed here too: a PostgreSQL schema per kit
+(:func:`create_schema`, :func:`drop_schema`) and its keys on a real Redis
+(:func:`forget_keys`).
+
+Why one module touches both the database and Redis: a test asks one question, "is anything
+left?", whose answer spans both sides (an undelivered row, an unread entry, a retry due), and
+the kit inspects the relay's and the consumer's state from outside, as a test would, rather
+than through either daemon. It is test tooling, not a daemon: no component imports it.
 """
 
 from __future__ import annotations
@@ -12,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis
-from sqlalchemy import Engine, func, select, update
+from sqlalchemy import Engine, create_engine, func, select, text, update
 
 from outbox_relay.consumer import dead_letters, group_status, streams
 from outbox_relay.shared.schema import consumer_retries, inbox, outbox
@@ -172,3 +180,29 @@ def _text(value: bytes) -> str:
 def _id_key(entry_id: str) -> tuple[int, int]:
     ms, _, seq = entry_id.partition("-")
     return int(ms or 0), int(seq or 0)
+
+
+def create_schema(url: str, schema: str) -> None:
+    """``CREATE SCHEMA`` on the PostgreSQL database of ``url`` (a connection of its own)."""
+    admin = create_engine(url)
+    try:
+        with admin.begin() as conn:
+            conn.execute(text(f'CREATE SCHEMA "{schema}"'))
+    finally:
+        admin.dispose()
+
+
+def drop_schema(url: str, schema: str) -> None:
+    """``DROP SCHEMA … CASCADE`` of what :func:`create_schema` made, if it is still there."""
+    dropper = create_engine(url)
+    try:
+        with dropper.begin() as conn:
+            conn.execute(text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
+    finally:
+        dropper.dispose()
+
+
+def forget_keys(client: redis.Redis, prefix: str) -> None:
+    """Delete every key under ``prefix`` (the kit's own, on a real Redis)."""
+    for key in client.scan_iter(match=f"{prefix}:*", count=1000):
+        client.delete(key)
