@@ -144,23 +144,10 @@ def check(
 
 def owners(engine: Engine) -> list[dict[str, Any]]:
     """Every consumer lease, for ``outbox status``: group, stream, partition, owner (None
-    when free or expired), epoch, and how long the lease has left."""
-    with translate_errors(), engine.connect() as conn:
-        rows = conn.execute(
-            select(leases).order_by(leases.c.group_name, leases.c.stream, leases.c.partition)
-        ).all()
-        now = shared_leases.db_now(conn)
-    return [
-        {
-            "group": r.group_name,
-            "stream": r.stream,
-            "partition": r.partition,
-            "owner": r.owner if r.owner is not None and r.expires_at_ms > now else None,
-            "epoch": r.epoch,
-            "expires_in_ms": max(r.expires_at_ms - now, 0) if r.owner is not None else None,
-        }
-        for r in rows
-    ]
+    when free or expired), epoch, and how long the lease has left
+    (:func:`shared.leases.holders`)."""
+    return [{"group": h.pop("group_name"), **h}
+            for h in shared_leases.holders(engine, CONSUMER_LEASES)]
 
 
 class Leases:

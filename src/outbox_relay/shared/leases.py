@@ -252,3 +252,22 @@ def take_free(engine: Engine, table: LeaseTable, scope: Scope, node: str, key: K
             .values(owner=node, epoch=row.epoch + 1, expires_at_ms=now + ttl_ms)
         )
         return int(row.epoch) + 1 if result.rowcount == 1 else None
+
+
+def holders(engine: Engine, table: LeaseTable) -> list[dict[str, Any]]:
+    """Every lease of ``table`` in key order, for ``outbox status``: its scope and key columns,
+    ``owner`` (None when free or expired), ``epoch`` and ``expires_in_ms`` (None when free).
+
+    Compared with the database's clock, the one that wrote the expiries, so whichever host
+    runs the listing shows the same owners and the same time left."""
+    leases = table.leases
+    with translate_errors(), engine.connect() as conn:
+        rows = conn.execute(select(leases).order_by(*table.key_order())).all()
+        now = db_now(conn)
+    return [
+        {**{c: getattr(r, c) for c in (*table.scope_columns, *table.key_columns)},
+         "owner": r.owner if r.owner is not None and r.expires_at_ms > now else None,
+         "epoch": r.epoch,
+         "expires_in_ms": max(r.expires_at_ms - now, 0) if r.owner is not None else None}
+        for r in rows
+    ]
