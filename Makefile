@@ -22,8 +22,7 @@ $(STAMP): pyproject.toml constraints.txt
 	@echo "==> upgrading pip in $(VENV)"
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	@echo "==> installing outbox-relay with its extras (dev,postgres,sqlite-async,http,otel) into $(VENV); about 30 s the first time"
-	$(BIN)/python -m pip install $(PIP_PROGRESS) -c constraints.txt \
-		-e '.[dev,postgres,sqlite-async,http,otel]'
+	$(BIN)/python -m pip install $(PIP_PROGRESS) -c constraints.txt -e '.[dev,postgres,sqlite-async,http,otel]'
 	touch $(STAMP)
 	@echo "==> installed: run $(BIN)/outbox --help, or 'source $(BIN)/activate' first for plain 'outbox'"
 
