@@ -17,6 +17,8 @@ the public API.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from outbox_relay.consumer.handlers import BatchHandler, Handler, Handlers
 from outbox_relay.consumer.retry import PermanentError, Reject, Retry
 from outbox_relay.producer.enqueue import Producer
@@ -27,7 +29,6 @@ from outbox_relay.shared.errors import (
     ConfigError,
     ConflictError,
     DuplicateEventError,
-    IdempotencyConflictError,
     InvalidEventError,
     LeaseLostError,
     NotFoundError,
@@ -37,6 +38,9 @@ from outbox_relay.shared.errors import (
     UnavailableError,
 )
 from outbox_relay.shared.settings import CommonSettings, ConsumerSettings, RelaySettings
+
+if TYPE_CHECKING:
+    from outbox_relay.runs.errors import IdempotencyConflictError
 
 __all__ = [
     "BatchHandler",
@@ -66,3 +70,14 @@ __all__ = [
     "make_engine",
     "upgrade",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """``IdempotencyConflictError``, a runs error exported here before runs had an ``errors``
+    module of their own (:mod:`outbox_relay.runs.errors`): still importable from here, but loaded
+    only when asked for, so that ``import outbox_relay`` does not import the runs component."""
+    if name == "IdempotencyConflictError":
+        from outbox_relay.runs.errors import IdempotencyConflictError
+
+        return IdempotencyConflictError
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

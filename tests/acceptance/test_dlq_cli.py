@@ -59,7 +59,8 @@ def make_dead_letters(env: dict[str, str], client: redis.Redis) -> list[bytes]:
            client.xadd(keys.stream_key(prefix, "runs", 1), event()),  # type: ignore[arg-type]
            client.xadd(keys.stream_key(prefix, "runs", 1), {b"type": b"\xff"})]
     settings = ConsumerSettings(database_url=env["OUTBOX_DATABASE_URL"], key_prefix=prefix,
-                                partitions=2, group=GROUP, consumer="c", block_ms=1)
+                                partitions=2, group=GROUP, consumer="c", block_ms=1,
+                                streams=env["OUTBOX_STREAMS"])
     engine = db.make_engine(settings.database_url)
     Consumer(settings, engine, client, Handlers()).run_once(block_ms=1)
     engine.dispose()
@@ -163,7 +164,8 @@ def test_show_cuts_long_fields_unless_full(env: dict[str, str], redis_client: re
     big[b"data"] = b'"' + b"x" * 10_000 + b'"'
     redis_client.xadd(keys.stream_key(prefix, "runs", 0), big)  # type: ignore[arg-type]
     settings = ConsumerSettings(database_url=env["OUTBOX_DATABASE_URL"], key_prefix=prefix,
-                                partitions=2, group=GROUP, consumer="c", block_ms=1)
+                                partitions=2, group=GROUP, consumer="c", block_ms=1,
+                                streams=env["OUTBOX_STREAMS"])
     engine = db.make_engine(settings.database_url)
     Consumer(settings, engine, redis_client, Handlers()).run_once(block_ms=1)
     engine.dispose()

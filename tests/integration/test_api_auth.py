@@ -25,11 +25,10 @@ from outbox_relay.runs.auth import CreateLimit, Tokens
 from outbox_relay.runs.http import MAX_JSON_DEPTH, create_app
 from outbox_relay.runs.prune import prune_terminal_runs
 from outbox_relay.runs.schema import runs
-from outbox_relay.runs.settings import ServeSettings
+from outbox_relay.runs.settings import RunsRetentionSettings, ServeSettings
 from outbox_relay.runs.snapshot import Question
 from outbox_relay.runs.store import RunStore
 from outbox_relay.shared.errors import ConfigError
-from outbox_relay.shared.settings import RetentionSettings
 from tests.helpers import assert_error, call
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("runs_tables")]
@@ -215,7 +214,7 @@ def test_an_id_that_cannot_be_a_run_is_404_not_an_outage(
 
 
 def test_terminal_runs_are_pruned_by_default(engine: Engine) -> None:
-    window = RetentionSettings().retention_runs
+    window = RunsRetentionSettings().retention_runs
     assert window == 30 * 86400
     store = RunStore()
     with engine.begin() as conn:

@@ -52,6 +52,11 @@ DAY_MS = 86_400_000
 EVERYTHING_TRIMMED = "9999999999999-0"
 
 
+def consume_settings(key_prefix: str, **overrides: Any) -> ConsumeSettings:
+    """``outbox consume``'s settings for tests: the consumer's, with the runs retention rule."""
+    return ConsumeSettings(**consumer_settings(key_prefix).model_dump() | overrides)
+
+
 def set_floor(engine: Engine, partition: int, floor: str, stream: str = STREAM) -> None:
     """The trim floor of ``(stream, partition)``: everything below it was trimmed."""
     with engine.begin() as conn:

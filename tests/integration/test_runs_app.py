@@ -58,7 +58,8 @@ class App:
         self.engine, self.agent, self.orders = engine, Agent(), list[str]()
         registry = Handlers()
         registry.register("order.placed", self.on_order)  # the application's own handler
-        settings = ConsumerSettings(**common, group="app", consumer="c1")  # type: ignore[arg-type]
+        settings = ConsumerSettings(**common, group="app", consumer="c1",  # type: ignore[arg-type]
+                                    streams="runs")
         self.handlers = Runs(PIPELINE, lambda: self.agent).handlers(settings, registry)
         self.relay = Relay(RelaySettings(**common, node_id="r1"), engine,  # type: ignore[arg-type]
                            client)

@@ -88,7 +88,8 @@ def make_stack(engine: Engine, database_url: str, client: redis.Redis, key_prefi
     worker.register(registry)
     worker.start()
     relay = Relay(RelaySettings(**common, node_id="r1"), engine, client)  # type: ignore[arg-type]
-    consumer = Consumer(ConsumerSettings(**common, group="g", consumer="c1"),  # type: ignore[arg-type]
+    consumer = Consumer(ConsumerSettings(**common, group="g", consumer="c1",  # type: ignore[arg-type]
+                                         streams="runs"),
                         engine, client, registry)
     return Stack(engine, store, relay, consumer, worker, journal, client, key_prefix)
 

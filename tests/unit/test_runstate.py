@@ -10,8 +10,9 @@ import pytest
 from outbox_relay.cli.demo_app import PIPELINE as DEMO
 from outbox_relay.runs import Pipeline
 from outbox_relay.runs import pipeline as rs
+from outbox_relay.runs.errors import InvalidTransitionError
 from outbox_relay.runs.snapshot import snapshot
-from outbox_relay.shared.errors import ConfigError, InvalidTransitionError
+from outbox_relay.shared.errors import ConfigError
 
 SMALL = Pipeline(["fetch", "summarize", "publish"], asking=["summarize"])
 HAPPY_PATH = [rs.QUEUED, *DEMO.stages, rs.COMPLETED]

@@ -8,9 +8,17 @@ import os
 import pytest
 from pydantic import ValidationError
 
-from outbox_relay.cli import options
+from outbox_relay.cli import apps, options
+from outbox_relay.cli import main as cli
+from outbox_relay.cli.settings import ConsumeSettings, PruneSettings
+from outbox_relay.runs.settings import RunsRetentionSettings, WorkerSettings
 from outbox_relay.shared.errors import ConfigError
-from outbox_relay.shared.settings import CommonSettings, ConsumerSettings, RelaySettings
+from outbox_relay.shared.settings import (
+    CommonSettings,
+    ConsumerSettings,
+    RelaySettings,
+    RetentionSettings,
+)
 
 MODELS = [CommonSettings, RelaySettings, ConsumerSettings]
 
@@ -26,9 +34,56 @@ def test_defaults() -> None:
     s = ConsumerSettings()
     assert s.database_url == "sqlite:///./outbox.db"
     assert s.redis_url == "redis://localhost:6379/0"
-    assert (s.key_prefix, s.partitions, s.group, s.stream_names()) == ("outbox", 4, "workers",
-                                                                      ["runs"])
+    assert (s.key_prefix, s.partitions, s.group, s.streams) == ("outbox", 4, "workers", "")
     assert RelaySettings().batch_size == 500
+
+
+def test_a_consumer_has_no_default_stream_the_run_worker_reads_runs() -> None:
+    for given in ("", " , "):
+        with pytest.raises(ConfigError) as info:
+            ConsumerSettings(streams=given).stream_names()
+        assert info.value.code == "invalid_config"
+        assert "OUTBOX_STREAMS" in info.value.message and "--streams" in info.value.message
+    assert WorkerSettings().stream_names() == ["runs"]
+    assert WorkerSettings(streams="runs,orders").stream_names() == ["runs", "orders"]
+
+
+def test_outbox_consume_loads_the_run_workers_settings_only_for_a_run_worker(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    parser = cli.build_parser()
+
+    def loaded(*flags: str) -> ConsumeSettings:
+        return options.load_settings(ConsumeSettings, parser.parse_args(["consume", *flags]))
+
+    monkeypatch.setenv("OUTBOX_RUN_CONCURRENCY", "9")
+    runs = apps.resolve(apps.DEFAULT_APP)  # a Runs
+    worker = cli.consume_settings(loaded("--group", "w", "--retention-runs", "1d"), runs)
+    assert type(worker) is WorkerSettings and worker.stream_names() == ["runs"]
+    assert (worker.group, worker.retention_runs, worker.run_concurrency) == ("w", 86400, 9)
+    assert "retention_runs" in worker.model_fields_set  # set: warned about without runs tables
+    given = cli.consume_settings(loaded("--streams", "runs,orders"), runs)
+    assert given.stream_names() == ["runs", "orders"]
+    billing = apps.resolve("outbox_relay.cli.demo_app:billing")  # a plain Handlers
+    with pytest.raises(ConfigError, match="no streams to read"):
+        cli.consume_settings(loaded(), billing)
+    plain = cli.consume_settings(loaded("--streams", "invoices", "--retention-runs", "off"),
+                                 billing)
+    assert type(plain) is ConsumeSettings and plain.stream_names() == ["invoices"]
+    assert plain.retention_runs == 0 and not hasattr(plain, "run_concurrency")
+    monkeypatch.setenv("OUTBOX_RUN_CONCURRENCY", "0")
+    with pytest.raises(ConfigError, match="run_concurrency"):
+        cli.consume_settings(loaded(), runs)
+    # The relay still accepts the flag it always ignored.
+    assert parser.parse_args(["relay", "--retention-runs", "7d"]).command == "relay"
+
+
+def test_the_runs_retention_rule_is_the_runs_components() -> None:
+    assert "retention_runs" not in RetentionSettings.model_fields
+    assert "retention_runs" not in ConsumerSettings.model_fields
+    assert RunsRetentionSettings().retention_runs == 30 * 86400
+    for model in (ConsumeSettings, PruneSettings, WorkerSettings):
+        assert model(retention_runs="7d").retention_runs == 7 * 86400
 
 
 def test_environment_is_read(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -130,12 +185,14 @@ def test_invalid_flags_become_one_config_error() -> None:
 
 
 def test_durations_accept_units_and_off() -> None:
-    s = RelaySettings(retention_delivered="15m", retention_inbox="2h", stream_keep_s="90s",
+    s = PruneSettings(retention_delivered="15m", retention_inbox="2h", stream_keep_s="90s",
                       retention_runs="off")
     assert (s.retention_delivered, s.retention_inbox, s.stream_keep_s, s.retention_runs) == (
         900.0, 7200.0, 90.0, 0.0)
     with pytest.raises(ValidationError, match="not a duration"):
         RelaySettings(retention_delivered="a week")
+    with pytest.raises(ValidationError, match="not a duration"):
+        RunsRetentionSettings(retention_runs="a week")
 
 
 def test_receipts_must_outlive_every_redelivery() -> None:

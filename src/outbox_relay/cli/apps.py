@@ -40,16 +40,27 @@ def app_spec(flag: str | None) -> str:
 def load_handlers(spec: str, settings: ConsumerSettings) -> Handlers:
     """Import ``module:attribute`` (the current directory first on the path) and return its
     handlers, calling the attribute with ``settings`` if it is a factory."""
+    return handlers_of(spec, resolve(spec), settings)
+
+
+def resolve(spec: str) -> object:
+    """The attribute ``module:attribute`` names (the current directory first on the path), not
+    called yet: ``outbox consume`` looks at it to pick the settings it loads."""
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
         raise ConfigError(f"--app must look like 'package.module:attribute', not {spec!r}")
     _cwd_on_path()
     module = _import(spec, module_name)
     try:
-        target = getattr(module, attr)
+        return getattr(module, attr)
     except AttributeError:
         raise ConfigError(f"cannot load handlers {spec!r}: module {module_name!r} has no "
                           f"attribute {attr!r}") from None
+
+
+def handlers_of(spec: str, target: object, settings: ConsumerSettings) -> Handlers:
+    """``target`` (what ``spec`` names) if it is a :class:`Handlers`, else what it returns
+    when called with ``settings``."""
     if isinstance(target, Handlers):
         return target
     if isinstance(target, type) or not callable(target):

@@ -18,10 +18,12 @@ import redis
 from outbox_relay.cli import apps, options
 from outbox_relay.cli import prune as retention
 from outbox_relay.cli import status as status_report
+from outbox_relay.cli.settings import ConsumeSettings, PruneSettings
 from outbox_relay.cli.startup import until_available
 from outbox_relay.consumer import hygiene
 from outbox_relay.consumer.daemon import Consumer
 from outbox_relay.relay.daemon import Relay
+from outbox_relay.runs import Runs
 from outbox_relay.runs import schema as runs_schema
 from outbox_relay.runs.settings import RunSettings, ServeSettings, WorkerSettings
 from outbox_relay.shared import db
@@ -94,14 +96,16 @@ def cmd_relay(args: argparse.Namespace) -> int:
 
 def cmd_consume(args: argparse.Namespace) -> int:
     """Run the consumer daemon until SIGTERM/SIGINT."""
-    settings = options.load_settings(WorkerSettings, args)
-    app = apps.app_spec(args.app)
+    consumer_settings = options.load_settings(ConsumeSettings, args)  # checked before the app
+    spec = apps.app_spec(args.app)
+    app = apps.resolve(spec)
+    settings = consume_settings(consumer_settings, app)
     if settings.redis_timeout_s * 1000 <= settings.block_ms:
         raise ConfigError("redis_timeout_s must be longer than block_ms")
     engine = db.make_engine(settings.database_url, create=False)  # only `db upgrade` creates
     patience = settings.startup_timeout_s
     until_available(lambda: db.check_schema(engine), "schema check", patience)
-    handlers = until_available(lambda: apps.load_handlers(app, settings), "start-up",
+    handlers = until_available(lambda: apps.handlers_of(spec, app, settings), "start-up",
                                patience)
     client = until_available(
         lambda: _daemon_redis(settings.redis_url, settings.redis_timeout_s),
@@ -115,6 +119,22 @@ def cmd_consume(args: argparse.Namespace) -> int:
     with observe.consumer(consumer):  # --metrics-port: /metrics, /healthz, /readyz
         consumer.run(until_idle=args.until_idle)
     return 0
+
+
+def consume_settings(
+    settings: ConsumeSettings, app: object
+) -> ConsumeSettings | WorkerSettings:
+    """The settings ``app`` (what ``--app`` names) runs with: a run worker (a :class:`Runs`)
+    gets the runs component's :class:`WorkerSettings`, with what ``settings`` were given,
+    ``OUTBOX_RUN_*``/``OUTBOX_SWEEP_*`` from the environment and the runs stream unless
+    ``--streams`` says otherwise; any other app ``settings``, whose streams are required.
+    Either way, no stream is ``invalid_config`` at once, not after the start-up's waits."""
+    chosen: ConsumeSettings | WorkerSettings = settings
+    if isinstance(app, Runs):
+        chosen = options.validated(WorkerSettings, {
+            name: getattr(settings, name) for name in settings.model_fields_set})
+    chosen.stream_names()
+    return chosen
 
 
 def _daemon_redis(url: str, timeout_s: float) -> redis.Redis:
@@ -171,16 +191,22 @@ def build_parser() -> argparse.ArgumentParser:
     relay.add_argument("--until-idle", action="store_true",
                        help="exit once a round finds nothing to deliver (for scripts and tests)")
     _quiet_flag(relay)
+    # Accepted and ignored, as before the runs rule left the core's settings: the relay never
+    # pruned runs (consumers and `outbox prune` do), and one flag list may serve both daemons.
+    relay.add_argument("--retention-runs", help=argparse.SUPPRESS)
 
     consume = _leaf(sub, "consume", "read streams with a consumer group and claim events",
-                    WorkerSettings, cmd_consume)
+                    ConsumeSettings, cmd_consume)
     consume.add_argument("--until-idle", action="store_true",
                          help="exit once the group has nothing pending (retries waiting "
                          "included) or unread on its streams (for scripts and tests)")
     _quiet_flag(consume)
     consume.add_argument("--app", default=None,
                          help="your handlers, as module:attribute [env OUTBOX_APP; required] "
-                         f"(the demo's run worker: {apps.DEFAULT_APP})")
+                         f"(the demo's run worker: {apps.DEFAULT_APP}; a run worker, an "
+                         "outbox_relay.runs.Runs, reads the stream 'runs' unless --streams "
+                         "says otherwise and takes OUTBOX_RUN_* and OUTBOX_SWEEP_* from the "
+                         "environment)")
 
     st = _leaf(sub, "status", "outbox backlog and stream/group state", CommonSettings, cmd_status)
     st.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -211,11 +237,9 @@ def build_parser() -> argparse.ArgumentParser:
     groups.add_arguments(_leaf(grpsub, "forget", "stop holding trims for a group deleted on "
                                "purpose", CommonSettings, groups.main))
 
-    from outbox_relay.shared.settings import RetentionSettings
-
     retention.add_arguments(_leaf(sub, "prune", "delete what retention allows: delivered outbox "
                                   "rows, old receipts and heads, terminal runs (if asked)",
-                                  RetentionSettings, retention.main))
+                                  PruneSettings, retention.main))
     return parser
 
 

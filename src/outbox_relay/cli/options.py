@@ -49,14 +49,7 @@ def load_settings(model: type[S], args: argparse.Namespace) -> S:
         for name in model.model_fields
         if getattr(args, name, None) is not None
     }
-    try:
-        settings = model(**overrides)
-    except ValidationError as err:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc']) or 'settings'}: {e['msg']}"
-            for e in err.errors()
-        )
-        raise ConfigError(f"invalid settings: {problems}") from None
+    settings = validated(model, overrides)
     # Every command logs as asked (--log-level DEBUG shows the redacted driver messages).
     level, fmt = getattr(settings, "log_level", None), getattr(settings, "log_format", "text")
     if isinstance(level, str):
@@ -65,6 +58,19 @@ def load_settings(model: type[S], args: argparse.Namespace) -> S:
         log.warning("unknown setting %s ignored%s", name,
                     f" (did you mean {hint}?)" if hint else "")
     return settings
+
+
+def validated(model: type[S], values: Mapping[str, Any]) -> S:
+    """``model`` from ``values`` over the environment; a validation error is one
+    ``invalid_config`` naming every field that failed."""
+    try:
+        return model(**values)
+    except ValidationError as err:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc']) or 'settings'}: {e['msg']}"
+            for e in err.errors()
+        )
+        raise ConfigError(f"invalid settings: {problems}") from None
 
 
 # OUTBOX_* variables that are not settings fields but are ours: fault injection (shared/faults.py),

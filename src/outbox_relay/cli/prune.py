@@ -6,8 +6,11 @@ What is pruned (each rule's guarantees are in its module):
 * inbox receipts and aggregate heads older than ``retention_inbox`` (:mod:`consumer.prune`:
   never a dead receipt whose letter exists, never one whose event could come back), by every
   consumer;
-* terminal runs older than ``retention_runs``, only when that is set (:mod:`runs.prune`),
-  by every consumer.
+* terminal runs older than ``retention_runs`` (:mod:`runs.prune`), by every consumer, where
+  the database has the runs tables. That setting is the runs component's
+  (:class:`runs.settings.RunsRetentionSettings`): the CLI adds it to the settings of
+  ``outbox consume`` and ``outbox prune`` (:mod:`cli.settings`); settings without it prune no
+  runs.
 
 This module only wires them: the relay and the consumer never learn of each other. In a daemon
 the task ``retention`` (a :class:`shared.periodic.Periodic`) runs every ``prune_interval_s`` on
@@ -31,6 +34,7 @@ from typing import Any
 
 from sqlalchemy import Engine
 
+from outbox_relay.cli.settings import PruneSettings
 from outbox_relay.consumer.daemon import Consumer
 from outbox_relay.consumer.prune import InboxPruned, InboxPruner
 from outbox_relay.consumer.prune import PruneStats as ConsumerPruneStats
@@ -39,6 +43,7 @@ from outbox_relay.relay.prune import PruneStats as RelayPruneStats
 from outbox_relay.relay.prune import prune_delivered
 from outbox_relay.runs import schema as runs_schema
 from outbox_relay.runs.prune import prune_terminal_runs
+from outbox_relay.runs.settings import RunsRetentionSettings
 from outbox_relay.shared import db
 from outbox_relay.shared.periodic import Periodic
 from outbox_relay.shared.redis_conn import connect_redis
@@ -79,9 +84,9 @@ def register_relay(relay: Relay, settings: RelaySettings) -> None:
 
 
 def register_consumer(consumer: Consumer, settings: ConsumerSettings) -> None:
-    """Add the ``retention`` task (receipts, heads; terminal runs when ``retention_runs`` is
-    set and the database has the runs tables) to ``consumer.periodic``; nothing when both rules
-    are off."""
+    """Add the ``retention`` task (receipts, heads; terminal runs when the settings carry
+    ``retention_runs``, it is on and the database has the runs tables) to
+    ``consumer.periodic``; nothing when both rules are off."""
     retention_runs = _runs_retention(consumer.engine, settings)
     if settings.retention_inbox <= 0 and retention_runs <= 0:
         return
@@ -132,7 +137,7 @@ def main(args: argparse.Namespace) -> int:
     """Prune every table once, to the end; print the counts per table."""
     from outbox_relay.cli import options
 
-    settings = options.load_settings(RetentionSettings, args)
+    settings = options.load_settings(PruneSettings, args)
     engine = db.existing_engine(settings.database_url)
     try:
         db.check_schema(engine)
@@ -172,15 +177,17 @@ def prune_all(engine: Engine, settings: RetentionSettings, *, dry_run: bool) -> 
         pruned["outbox_consumer_retries"] = inbox.retries
         kept = {"dead_letter_exists": inbox.kept_letter, "above_trim_floor": inbox.kept_floor,
                 "row_undelivered": inbox.kept_undelivered}
-    if _runs_retention(engine, settings) > 0:
+    retention_runs = _runs_retention(engine, settings)
+    if retention_runs > 0:
         pruned["outbox_runs"] = prune_terminal_runs(
-            engine, settings.retention_runs, batch=batch, dry_run=dry_run)[0]
+            engine, retention_runs, batch=batch, dry_run=dry_run)[0]
     return {"dry_run": dry_run, "pruned": pruned, "kept_receipts": kept}
 
 
 def _runs_retention(engine: Engine, settings: RetentionSettings) -> float:
-    """``retention_runs``, or 0 (off, with a warning) when the runs migrations never ran."""
-    if settings.retention_runs <= 0:
+    """``retention_runs``, or 0 (off): when the settings do not carry the runs rule, or (with a
+    warning) when the runs migrations never ran."""
+    if not isinstance(settings, RunsRetentionSettings) or settings.retention_runs <= 0:
         return 0.0
     if not runs_schema.in_use(engine):
         if "retention_runs" in settings.model_fields_set:  # the default (30 d) is no request

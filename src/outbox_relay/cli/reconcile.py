@@ -29,6 +29,7 @@ from outbox_relay.cli import options
 from outbox_relay.relay import leases, repair, repair_store
 from outbox_relay.runs import pipeline as rs
 from outbox_relay.runs import schema as runs_schema
+from outbox_relay.runs.errors import InvalidTransitionError
 from outbox_relay.runs.settings import RunSettings
 from outbox_relay.runs.store import store_for
 from outbox_relay.shared import db
@@ -36,7 +37,6 @@ from outbox_relay.shared.db import now_ms
 from outbox_relay.shared.db_errors import translate_errors
 from outbox_relay.shared.errors import (
     ConflictError,
-    InvalidTransitionError,
     LeaseLostError,
     NotFoundError,
 )

@@ -11,6 +11,7 @@ the worker; ``outbox serve`` the HTTP API. See docs/runs.md.
 
 from outbox_relay.runs.agent import Agent, AgentError, StageContext, StageResult
 from outbox_relay.runs.app import Runs
+from outbox_relay.runs.errors import IdempotencyConflictError, InvalidTransitionError
 from outbox_relay.runs.pipeline import Pipeline
 from outbox_relay.runs.schema import check_schema, upgrade
 from outbox_relay.runs.settings import RunSettings, ServeSettings, WorkerSettings
@@ -20,6 +21,8 @@ from outbox_relay.runs.store import RunRow, RunStore, store_for
 __all__ = [
     "Agent",
     "AgentError",
+    "IdempotencyConflictError",
+    "InvalidTransitionError",
     "Pipeline",
     "Question",
     "RunRow",

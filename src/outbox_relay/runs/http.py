@@ -45,6 +45,12 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from outbox_relay.runs.auth import ANONYMOUS, Caller, CreateLimit, Tokens
+from outbox_relay.runs.errors import (
+    IdempotencyConflictError,
+    InvalidTransitionError,
+    RateLimitedError,
+    UnauthorizedError,
+)
 from outbox_relay.runs.snapshot import RunSnapshot
 from outbox_relay.runs.store import RunRow, RunStore
 from outbox_relay.shared.db_errors import translate_errors
@@ -52,13 +58,9 @@ from outbox_relay.shared.errors import (
     CannotConnectError,
     ConflictError,
     ForbiddenError,
-    IdempotencyConflictError,
     InvalidRequestError,
-    InvalidTransitionError,
     NotFoundError,
     OutboxError,
-    RateLimitedError,
-    UnauthorizedError,
     UnavailableError,
 )
 

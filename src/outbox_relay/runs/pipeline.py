@@ -28,7 +28,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from outbox_relay.shared.errors import ConfigError, InvalidTransitionError
+from outbox_relay.runs.errors import InvalidTransitionError
+from outbox_relay.shared.errors import ConfigError
 
 QUEUED = "queued"
 NEEDS_INPUT = "needs_input"

@@ -1,6 +1,9 @@
 """Every setting of the runs component, in one place: the execution policy (:class:`RunSettings`,
-``OUTBOX_RUN_*``, ``OUTBOX_SWEEP_*``), a consumer daemon running the run worker
-(:class:`WorkerSettings`) and the HTTP service (:class:`ServeSettings`, ``outbox serve``).
+``OUTBOX_RUN_*``, ``OUTBOX_SWEEP_*``), the retention of terminal runs
+(:class:`RunsRetentionSettings`, ``OUTBOX_RETENTION_RUNS``: the CLI adds it to the commands that
+prune, ``outbox consume`` and ``outbox prune``), a consumer daemon running the run worker
+(:class:`WorkerSettings`, reading the ``runs`` stream unless told) and the HTTP service
+(:class:`ServeSettings`, ``outbox serve``).
 
 Kept apart from the HTTP app so the CLI can build its flags without importing FastAPI and
 uvicorn (half a second on every ``outbox`` command).
@@ -10,7 +13,19 @@ from __future__ import annotations
 
 from pydantic import Field, SecretStr
 
-from outbox_relay.shared.settings import CommonSettings, ConsumerSettings, DaemonSettings
+from outbox_relay.runs.store import RUNS_STREAM
+from outbox_relay.shared.settings import CommonSettings, ConsumerSettings, DaemonSettings, Duration
+
+
+class RunsRetentionSettings(CommonSettings):
+    """How long terminal runs are kept (:mod:`runs.prune`); pruned by every consumer daemon and
+    ``outbox prune`` of a database with the runs tables."""
+
+    retention_runs: Duration = Field(
+        30 * 86400.0,
+        description="Terminal runs (completed/failed) unchanged for this long are pruned "
+        "(where the runs tables exist); off keeps them.",
+    )
 
 
 class RunSettings(CommonSettings):
@@ -32,8 +47,15 @@ class RunSettings(CommonSettings):
     sweep_batch: int = Field(100, ge=1, le=10_000, description="Expired runs handled per sweep.")
 
 
-class WorkerSettings(ConsumerSettings, RunSettings):
-    """A consumer daemon that runs the run worker (``OUTBOX_RUN_*``, ``OUTBOX_SWEEP_*``)."""
+class WorkerSettings(ConsumerSettings, RunSettings, RunsRetentionSettings):
+    """A consumer daemon that runs the run worker (``OUTBOX_RUN_*``, ``OUTBOX_SWEEP_*``): what
+    ``outbox consume`` loads for an app that is a :class:`runs.Runs`. It reads the run events'
+    stream unless told otherwise (a plain consumer has no default stream)."""
+
+    streams: str = Field(
+        RUNS_STREAM, description="Comma-separated logical streams to read (the run worker's "
+        f"events are on {RUNS_STREAM!r}).",
+    )
 
 
 class ServeSettings(DaemonSettings, RunSettings):

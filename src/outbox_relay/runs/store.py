@@ -31,6 +31,7 @@ from sqlalchemy.exc import IntegrityError
 
 from outbox_relay.producer.enqueue import Producer
 from outbox_relay.runs import pipeline as rs
+from outbox_relay.runs.errors import IdempotencyConflictError, InvalidTransitionError
 from outbox_relay.runs.pipeline import Pipeline
 from outbox_relay.runs.schema import runs
 from outbox_relay.runs.snapshot import Question, RunSnapshot, snapshot
@@ -38,9 +39,7 @@ from outbox_relay.shared.db import now_ms
 from outbox_relay.shared.errors import (
     ConflictError,
     CorruptRecordError,
-    IdempotencyConflictError,
     InvalidRequestError,
-    InvalidTransitionError,
     LeaseLostError,
     NotFoundError,
 )

@@ -18,16 +18,12 @@ from dataclasses import dataclass
 from sqlalchemy import Engine
 
 from outbox_relay.runs import pipeline as rs
+from outbox_relay.runs.errors import InvalidTransitionError
 from outbox_relay.runs.settings import RunSettings
 from outbox_relay.runs.store import RunStore
 from outbox_relay.shared.db import now_ms
 from outbox_relay.shared.db_errors import translate_errors
-from outbox_relay.shared.errors import (
-    ConflictError,
-    InvalidTransitionError,
-    NotFoundError,
-    OutboxError,
-)
+from outbox_relay.shared.errors import ConflictError, NotFoundError, OutboxError
 
 log = logging.getLogger(__name__)
 

@@ -4,6 +4,9 @@ Every failure a caller can see is an :class:`OutboxError` with a stable, machine
 ``code``. Driver errors (SQLAlchemy, psycopg, redis-py) are wrapped at the component boundary
 with ``raise ... from exc``: the public ``message`` is ours and never carries the driver's text
 or a credential; the original exception stays on ``__cause__`` for debug logs only.
+
+These are the errors the components share; a component's own leaves of this tree live in that
+component's ``errors`` module.
 """
 
 from __future__ import annotations
@@ -111,21 +114,10 @@ class ConfigError(OutboxError):
 
 
 class LeaseLostError(OutboxError):
-    """Our lease (relay partition or run execution) was taken over; stop without writing."""
+    """A lease we held (a relay's partition, a consumer's stream, a worker's run) was taken
+    over by another process; stop without writing."""
 
     code = "lease_lost"
-
-
-class InvalidTransitionError(OutboxError):
-    """A status change the run state machine does not allow (never backward)."""
-
-    code = "invalid_transition"
-
-
-class IdempotencyConflictError(OutboxError):
-    """The idempotency key was used before with a different request."""
-
-    code = "idempotency_conflict"
 
 
 class InvalidRequestError(OutboxError):
@@ -134,24 +126,8 @@ class InvalidRequestError(OutboxError):
     code = "invalid_request"
 
 
-class UnauthorizedError(OutboxError):
-    """A request without a valid credential (the runs API: a missing or unknown bearer token)."""
-
-    code = "unauthorized"
-
-
 class ForbiddenError(OutboxError):
     """A known caller (or the anonymous one) asked for what it may not do: a mutation of the
     operator console on an API without tokens (``read_only``)."""
 
     code = "forbidden"
-
-
-class RateLimitedError(OutboxError):
-    """A caller exceeded its rate; ``retry_after_s`` says when trying again can succeed."""
-
-    code = "rate_limited"
-
-    def __init__(self, message: str | None = None, *, retry_after_s: float = 1.0) -> None:
-        super().__init__(message)
-        self.retry_after_s = retry_after_s

@@ -166,11 +166,6 @@ class RetentionSettings(CommonSettings):
         30 * 86400.0,
         description="Dead letters older than this are trimmed from the dead-letter streams.",
     )
-    retention_runs: Duration = Field(
-        30 * 86400.0,
-        description="Terminal runs (completed/failed) unchanged for this long are pruned "
-        "(where the runs tables exist); off keeps them.",
-    )
     prune_interval_s: float = Field(
         60.0, gt=0, description="How often a daemon runs its retention pass."
     )
@@ -294,7 +289,10 @@ class ConsumerSettings(DaemonSettings, RetentionSettings):
 
     group: str = Field("workers", description="Consumer group name.")
     consumer: str = Field("", description="Consumer name within the group (default host:pid).")
-    streams: str = Field("runs", description="Comma-separated logical streams to read.")
+    streams: str = Field(
+        "", description="Comma-separated logical streams to read; required (no stream is read "
+        "by default).",
+    )
     batch_size: int = Field(200, ge=1, le=10_000, description="Entries read per XREADGROUP.")
     block_ms: int = Field(1_000, ge=1, description="XREADGROUP BLOCK time.")
     max_deliveries: int = Field(
@@ -371,6 +369,11 @@ class ConsumerSettings(DaemonSettings, RetentionSettings):
         return self
 
     def stream_names(self) -> list[str]:
-        """The logical streams, validated."""
+        """The logical streams, validated; none at all is ``invalid_config`` (a consumer that
+        guessed a stream would read nothing of its own, or another group's events)."""
         names = [s.strip() for s in self.streams.split(",") if s.strip()]
+        if not names:
+            raise ConfigError("no streams to read: set OUTBOX_STREAMS or --streams to the "
+                              "comma-separated logical streams of this group (e.g. "
+                              "--streams orders)")
         return [check_name("stream", name) for name in names]
