@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 from sqlalchemy import Engine, func, select
@@ -160,3 +161,29 @@ def test_a_new_run_cannot_set_what_the_store_keeps(engine: Engine) -> None:
         assert info.value.code == "invalid_request" and field in info.value.message
     with engine.connect() as conn:
         assert conn.execute(select(func.count()).select_from(outbox)).scalar() == 0
+
+
+def test_workers_and_sweepers_on_hosts_an_hour_apart_judge_leases_by_the_database_clock(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker on a host an hour behind leases and heartbeats a run; a sweeper on a host an
+    hour ahead must not see that live lease as expired (by host clocks it would resume a run
+    whose worker is alive, two hours "late"), and a sweep after the lease really lapsed (by the
+    database's clock) still resumes it."""
+    real_time, real_ns = time.time, time.time_ns
+
+    def on_host(skew_s: float) -> None:
+        monkeypatch.setattr(time, "time", lambda: real_time() + skew_s)
+        monkeypatch.setattr(time, "time_ns", lambda: real_ns() + int(skew_s * 1e9))
+
+    on_host(-3600)
+    row = claim(engine, create(engine), "w")
+    assert row is not None
+    with engine.begin() as conn:
+        assert STORE.heartbeat(conn, ["w"], ttl_ms=TTL) == {"w"}
+    on_host(+3600)
+    assert sweep(engine, STORE, max_attempts=3).resumed == 0
+    assert get(engine).lease_owner == "w"
+    with engine.begin() as conn:
+        STORE.release(conn, ["w"])  # the worker stops: its lease lapses now
+    assert sweep(engine, STORE, max_attempts=3).resumed == 1

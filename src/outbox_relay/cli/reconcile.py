@@ -33,13 +33,13 @@ from outbox_relay.runs.errors import InvalidTransitionError
 from outbox_relay.runs.settings import RunSettings
 from outbox_relay.runs.store import store_for
 from outbox_relay.shared import db
-from outbox_relay.shared.db import now_ms
 from outbox_relay.shared.db_errors import translate_errors
 from outbox_relay.shared.errors import (
     ConflictError,
     LeaseLostError,
     NotFoundError,
 )
+from outbox_relay.shared.leases import db_now
 from outbox_relay.shared.redaction import redact_url
 from outbox_relay.shared.redis_conn import connect_redis
 from outbox_relay.shared.settings import CommonSettings
@@ -112,11 +112,11 @@ def check_runs(
     engine: Engine, settings: CommonSettings, *, dry_run: bool, stuck_after_ms: int, limit: int
 ) -> list[dict[str, Any]]:
     """Report stuck runs; give each a ``run.resume`` (unless dry run)."""
-    now = now_ms()
     run_store = store_for(settings, source="outbox-reconcile")
     max_attempts = RunSettings.model_fields["run_max_attempts"].default
     out = []
     with translate_errors(), engine.connect() as conn:
+        now = db_now(conn)  # the clock run leases and updated_at_ms are written with
         stuck = run_store.stuck(conn, now=now, stuck_after_ms=stuck_after_ms, limit=limit)
     for run_id, revision, status in stuck:
         item: dict[str, Any] = {"id": run_id, "revision": revision, "status": status,

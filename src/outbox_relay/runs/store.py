@@ -16,6 +16,10 @@ answered run goes on), ``stage``, ``result``, ``error`` and ``created_by`` (the 
 that created the run, which alone may read and answer it; absent when authentication was off
 or the run was created from code). The execution lease lives in columns
 (``lease_owner`` is a per-lease token) so that a heartbeat extends it without a new revision.
+It is one row's compare-and-set lease, not a share of keys among live nodes, so it does not use
+:mod:`shared.leases`; it follows the same clock rule: lease expiries and ``updated_at_ms`` are
+written and compared with the database's clock (:func:`shared.leases.db_now`), never a worker's
+or sweeper's host clock, so a sweeper on a host ahead does not resume runs whose workers live.
 All methods run in the caller's transaction.
 """
 
@@ -35,7 +39,7 @@ from outbox_relay.runs.errors import IdempotencyConflictError, InvalidTransition
 from outbox_relay.runs.pipeline import Pipeline
 from outbox_relay.runs.schema import runs
 from outbox_relay.runs.snapshot import Question, RunSnapshot, snapshot
-from outbox_relay.shared.db import now_ms
+from outbox_relay.shared.db import db_now_ms, is_postgres
 from outbox_relay.shared.errors import (
     ConflictError,
     CorruptRecordError,
@@ -43,6 +47,7 @@ from outbox_relay.shared.errors import (
     LeaseLostError,
     NotFoundError,
 )
+from outbox_relay.shared.leases import db_now
 from outbox_relay.shared.schema import outbox
 from outbox_relay.shared.settings import CommonSettings
 
@@ -116,7 +121,7 @@ class RunStore:
         status = rs.QUEUED
         if reserved := sorted(STORE_FIELDS & set(record)):
             raise InvalidRequestError(f"a new run's record cannot set {', '.join(reserved)}")
-        now = now_ms()
+        now = db_now(conn)
         stored = {**record, "revision": 1, "status": status}
         if created_by is not None:
             stored["created_by"] = created_by
@@ -179,7 +184,7 @@ class RunStore:
         rs.check_transition(self.pipeline, current.status, status, current.record, record)
         revision = expected_revision + 1
         stored = {**record, "revision": revision, "status": status}
-        now = now_ms()
+        now = db_now(conn)
         values: dict[str, Any] = {
             "revision": revision, "status": status, "record": _dump(stored),
             "lease_owner": lease_owner, "lease_expires_at_ms": lease_expires_at_ms,
@@ -215,7 +220,7 @@ class RunStore:
         lists and resumes such runs. Runs in the caller's (the consumer's receipt) transaction.
         """
         pipeline = self._pipeline("lease a run")
-        now = now_ms() if now is None else now
+        now = db_now(conn) if now is None else now
         try:
             row = self.get(conn, run_id, for_update=True)
         except NotFoundError:
@@ -261,7 +266,7 @@ class RunStore:
                                         status=status, event="run.completed", lease_token=token)
         return self.compare_and_set(
             conn, row.id, row.revision, {**record, "stage": status}, status=status,
-            lease_owner=token, lease_expires_at_ms=now_ms() + ttl_ms, lease_token=token,
+            lease_owner=token, lease_expires_at_ms=db_now(conn) + ttl_ms, lease_token=token,
         )
 
     def fail(self, conn: Connection, row: RunRow, reason: str, *,
@@ -286,7 +291,7 @@ class RunStore:
         held = runs.c.lease_owner.in_(tokens)
         free = select(runs.c.id).where(held).with_for_update(skip_locked=True)
         conn.execute(update(runs).where(runs.c.id.in_(free.scalar_subquery()))
-                     .values(lease_expires_at_ms=now_ms() + ttl_ms))
+                     .values(lease_expires_at_ms=db_now_ms(is_postgres(conn)) + ttl_ms))
         return set(conn.execute(select(runs.c.lease_owner).where(held)).scalars())
 
     def release(self, conn: Connection, tokens: list[str]) -> None:
@@ -335,7 +340,7 @@ class RunStore:
         Past ``max_attempts`` the run fails with ``attempts_exhausted`` instead. A run that
         moved on or was re-leased meanwhile raises :class:`ConflictError`.
         """
-        now = now_ms() if now is None else now
+        now = db_now(conn) if now is None else now
         row = self.get(conn, run_id, for_update=True)
         if row.revision != revision or (row.lease_expires_at_ms or 0) >= now:
             raise ConflictError(f"run {run_id!r} changed since the sweep read it")

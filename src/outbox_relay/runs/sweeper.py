@@ -21,9 +21,9 @@ from outbox_relay.runs import pipeline as rs
 from outbox_relay.runs.errors import InvalidTransitionError
 from outbox_relay.runs.settings import RunSettings
 from outbox_relay.runs.store import RunStore
-from outbox_relay.shared.db import now_ms
 from outbox_relay.shared.db_errors import translate_errors
 from outbox_relay.shared.errors import ConflictError, NotFoundError, OutboxError
+from outbox_relay.shared.leases import db_now
 
 log = logging.getLogger(__name__)
 
@@ -39,10 +39,12 @@ class SweepStats:
 
 def sweep(engine: Engine, store: RunStore, *, max_attempts: int, limit: int = 100,
           now: int | None = None) -> SweepStats:
-    """One pass over runs whose lease expired before ``now`` (default: the clock)."""
-    now = now_ms() if now is None else now
+    """One pass over runs whose lease expired before ``now`` (default: the database's clock,
+    the one every worker writes its lease expiries with, so a sweeper on a host whose clock runs
+    ahead does not resume runs whose workers are alive)."""
     stats = SweepStats()
     with translate_errors(), engine.connect() as conn:
+        now = db_now(conn) if now is None else now
         expired = store.expired(conn, now=now, limit=limit)
     for run_id, revision in expired:
         try:
