@@ -184,22 +184,22 @@ def _id_key(entry_id: str) -> tuple[int, int]:
 
 def create_schema(url: str, schema: str) -> None:
     """``CREATE SCHEMA`` on the PostgreSQL database of ``url`` (a connection of its own)."""
-    admin = create_engine(url)
-    try:
-        with admin.begin() as conn:
-            conn.execute(text(f'CREATE SCHEMA "{schema}"'))
-    finally:
-        admin.dispose()
+    _admin(url, f'CREATE SCHEMA "{schema}"')
 
 
 def drop_schema(url: str, schema: str) -> None:
     """``DROP SCHEMA … CASCADE`` of what :func:`create_schema` made, if it is still there."""
-    dropper = create_engine(url)
+    _admin(url, f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+
+
+def _admin(url: str, statement: str) -> None:
+    """Run one schema statement on an engine of its own, disposed of at once."""
+    admin = create_engine(url)
     try:
-        with dropper.begin() as conn:
-            conn.execute(text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
+        with admin.begin() as conn:
+            conn.execute(text(statement))
     finally:
-        dropper.dispose()
+        admin.dispose()
 
 
 def forget_keys(client: redis.Redis, prefix: str) -> None:
