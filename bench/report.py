@@ -297,6 +297,12 @@ def _database_lines(r: dict[str, Any]) -> list[str]:
             f"  producer: bare {fmt(p['bare_ms'], ' ms', 3)}  +enqueue "
             f"{fmt(p['enqueue_ms'], ' ms', 3)}  x{p['ratio']['median']:.2f}"
         )
+        for name, row in p.get("threads", {}).items():  # issue 24: tx/s, ratio to bare
+            cells = "  ".join(f"{v} {fmt(row[v], '')}" + (
+                f" x{row[v + ' / bare']['median']:.2f}" if v + " / bare" in row else "")
+                for v in ("bare", "enqueue", "no notify"))
+            cpu = " / ".join(f"{v:.0f}" for v in row.get("python_cpu_us_per_tx", {}).values())
+            lines.append(f"  producers {name:>10} (tx/s): {cells}  [python µs/tx {cpu}]")
     for batch, s in r.get("ceiling", {}).items():
         lines.append(f"  redis ceiling batch {batch:>5}: {fmt(s, ' ev/s')}")
     return lines

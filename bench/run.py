@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from bench import consumer_loop, env, report, scenarios, topologies
+from bench import consumer_loop, env, producers, report, scenarios, topologies
 from bench.baseline import PHASES, redis_ceiling
 from torture.redis_sets import TopologyError, TopologyUnsupported
 
@@ -62,15 +62,21 @@ class Config:
     # this many rounds.
     handler_events: int = 20_000
     handler_rounds: int = 2
+    # Issue 24, PostgreSQL: bare / enqueue / enqueue without NOTIFY at these writer thread
+    # counts, in interleaved blocks of producer_block_s, producer_rounds rounds.
+    producer_threads: tuple[int, ...] = (1, 4, 16)
+    producer_block_s: float = 3.0
+    producer_rounds: int = 3
 
 
 FULL = Config(2, 50_000, (100, 500, 2000), (1, 2, 4), 20_000, (1, 2), 500,
               (100, 1000, 5000), 10.0, 1000, 600.0, 1000, passes=2)
 QUICK = Config(1, 3_000, (500,), (1, 2), 2_000, (1, 2), 500, (100, 1000), 2.0, 200, 6.0, 500,
-               handler_events=5_000)
+               handler_events=5_000, producer_block_s=1.5)
 TINY = Config(1, 600, (100,), (2,), 400, (1,), 100, (200,), 1.0, 100, 2.0, 200,
               cluster_relays=1, cluster_consumers=1, one_relay_row=False,
-              handler_events=400, handler_rounds=1)
+              handler_events=400, handler_rounds=1, producer_threads=(1, 4),
+              producer_block_s=0.2, producer_rounds=1)
 # The tiny smoke run (a test with a 180 s limit) leaves the cluster rows out unless asked.
 TINY_SCENARIOS = tuple(s for s in SCENARIOS if s != "cluster")
 
@@ -181,6 +187,12 @@ def bench_database(
             "enqueue_ms": report.summary([b for _, b in pairs]),
             "ratio": report.summary([b / a for a, b in pairs]),
         }
+        if target.kind == "postgresql":
+            say(f"producers at {', '.join(map(str, cfg.producer_threads))} threads: bare / "
+                f"enqueue / no notify, {cfg.producer_rounds} rounds of "
+                f"{cfg.producer_block_s:g} s blocks")
+            out["producer"]["threads"] = producers.concurrent(
+                target, cfg.producer_threads, cfg.producer_block_s, cfg.producer_rounds)
     if "ceiling" in only:
         out["ceiling"] = {}
         for b in cfg.batches:
@@ -230,14 +242,19 @@ def relay_rows(
 def latency(
     target: env.Target, cfg: Config, cdfs: dict[str, Any], say: Callable[[str], None]
 ) -> dict[str, Any]:
-    """End-to-end percentiles per rate, and the same per stage (:data:`scenarios.STAGES`)."""
+    """End-to-end percentiles per rate, and the same per stage (:data:`scenarios.STAGES`);
+    on PostgreSQL also ``<rate> no notify`` rows, the producer made with ``notify=False``
+    (the relay finds its rows by polling), for rates up to 1,000 ev/s."""
     out: dict[str, Any] = {}
     middle = cfg.rates[len(cfg.rates) // 2]
-    for rate in cfg.rates:
-        say(f"latency at {rate} ev/s")
-        runs = [scenarios.pipeline(target, rate, cfg.rate_seconds, 4) for _ in range(cfg.runs)]
-        cdfs.setdefault("end_to_end", {})[str(rate)] = runs[0].latencies_ms
-        if rate == middle:
+    quiet = [r for r in cfg.rates if r <= 1000] if target.kind == "postgresql" else []
+    for rate, notify in [(r, True) for r in cfg.rates] + [(r, False) for r in quiet]:
+        name = str(rate) if notify else f"{rate} no notify"
+        say(f"latency at {rate} ev/s" + ("" if notify else ", producer without NOTIFY"))
+        runs = [scenarios.pipeline(target, rate, cfg.rate_seconds, 4, notify=notify)
+                for _ in range(cfg.runs)]
+        cdfs.setdefault("end_to_end", {})[name] = runs[0].latencies_ms
+        if rate == middle and notify:
             cdfs["stages"] = {"rate": rate, **runs[0].stages_ms}
         row: dict[str, Any] = {
             q: report.summary([report.percentile(r.latencies_ms, f) for r in runs])
@@ -254,7 +271,7 @@ def latency(
         row["stages_measured"] = min(len(r.stages_ms[scenarios.STAGES[0]]) for r in runs)
         row["stage_histogram"] = {stage: report.histogram(runs[0].stages_ms[stage])
                                   for stage in scenarios.STAGES}
-        out[str(rate)] = row
+        out[name] = row
     return out
 
 
@@ -349,6 +366,7 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
         if "producer" in r:
             ratio = r["producer"]["ratio"]["median"]
             add(f"{kind} producer overhead ratio", ratio, "<= 1.1", ratio <= 1.1)
+            out += producers.targets(kind, r["producer"])
     for name, v in results.get("memory", {}).get("processes", {}).items():
         add(f"RSS growth of {name} (%)", v["growth_pct"], "< 10", v["growth_pct"] < 10)
     return out

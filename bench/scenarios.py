@@ -356,9 +356,12 @@ def rss_kb(pid: int) -> int:
 
 def pipeline(
     target: Target, rate: float, seconds: float, partitions: int, sample_every: float = 0.0,
-    *, record: bool = True,
+    *, record: bool = True, notify: bool = True,
 ) -> Pipeline:
     """Steady producer at ``rate`` → one relay → one consumer; commit→claim latency per event.
+
+    With ``notify`` False the producer is made with ``notify=False``: no ``pg_notify``, the
+    relay finds its rows by polling.
 
     With ``sample_every`` > 0 the relay's and consumer's RSS is sampled during the run. With
     ``record`` False the consumer does not keep each event's claim time (no latencies): in a
@@ -375,7 +378,7 @@ def pipeline(
                            partitions, 500, "bench-consumer", c.ready, c.start, c.stop,
                            c.results, record)
         c.spawn(workers.producer_child, target.url, target.prefix, partitions, rate, seconds,
-                c.ready, c.start, c.results)
+                c.ready, c.start, c.results, notify)
         rss: dict[str, list[tuple[float, int]]] = {"relay": [], "consumer": []}
         t0 = c.go()
         _sample(rss, relay.pid, consumer.pid, 0.0)

@@ -209,11 +209,13 @@ def _stamp_reads(read: dict[str, tuple[str, str, float]]) -> None:
 
 def producer_child(
     url: str, prefix: str, partitions: int, rate: float, seconds: float,
-    ready: Any, start: Any, results: Any,
+    ready: Any, start: Any, results: Any, notify: bool = True,
 ) -> None:
     """Enqueue at a steady ``rate`` for ``seconds``; one transaction per tick holds the events
-    due by then (one, at low rates); records each event's commit time (``time.time()``)."""
-    producer = Producer(source="bench", partitions=partitions, key_prefix=prefix)
+    due by then (one, at low rates); records each event's commit time (``time.time()``).
+    ``notify``: the producer's (``False``: no ``pg_notify``, relays poll)."""
+    producer = Producer(source="bench", partitions=partitions, key_prefix=prefix,
+                        notify=notify)
     engine = db.make_engine(url)
     with engine.connect():
         pass

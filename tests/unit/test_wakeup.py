@@ -53,10 +53,77 @@ def test_partitions_never_named_are_visited_at_least_every_full_round_interval(
 ) -> None:
     clock = [1000.0]
     monkeypatch.setattr(wakeup.time, "monotonic", lambda: clock[0])
-    w = listening()
+    w = Wakeup(5_000, 10_000)  # a poll interval longer than FULL_ROUND_S
+    w.listening = True
+    assert w.targets() is None
     w.notify(0)
     clock[0] += wakeup.FULL_ROUND_S / 2
     assert w.targets() == {0}
     w.notify(0)
     clock[0] += wakeup.FULL_ROUND_S / 2
     assert w.targets() is None  # rows elsewhere waiting for their retry time get their turn
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """``time.monotonic`` of relay/wakeup.py, moved by hand."""
+    now = [1000.0]
+    monkeypatch.setattr(wakeup.time, "monotonic", lambda: now[0])
+    return now
+
+
+def notified_wait(w: Wakeup, partition: int) -> None:
+    """A wait a notification cuts short (returns at once: the event is already set)."""
+    w.notify(partition)
+    w.wait()
+
+
+def test_notifications_do_not_hold_off_the_poll_of_the_other_partitions(
+    clock: list[float],
+) -> None:
+    w = listening()  # a full round at 1000.000 s that found nothing
+    notified_wait(w, 0)  # the interval doubles: 5 -> 10 ms
+    assert w.interval == pytest.approx(0.010)
+    clock[0] += 0.004
+    assert w.targets() == {0}
+    w.worked()  # rows a notification named do not shorten the poll interval
+    notified_wait(w, 0)
+    clock[0] += 0.0061  # 10 ms after the last full round
+    assert w.targets() is None  # rows written without NOTIFY are taken within the interval
+
+
+def test_the_poll_interval_doubles_on_empty_full_rounds_up_to_max(clock: list[float]) -> None:
+    w = listening()
+    seen = []
+    for _ in range(8):
+        notified_wait(w, 1)
+        seen.append(round(w.interval * 1000))
+        clock[0] += w.interval + 1e-6
+        assert w.targets() is None  # the poll is due (the notified partition comes along)
+    assert seen == [10, 20, 40, 80, 160, 200, 200, 200]  # at idle: one poll per poll_max_ms
+
+
+def test_a_poll_that_found_rows_polls_again_after_poll_min(clock: list[float]) -> None:
+    w = listening()
+    for _ in range(5):  # back off to 160 ms
+        notified_wait(w, 1)
+        clock[0] += w.interval + 1e-6
+        w.targets()
+    assert w.interval == pytest.approx(0.160)
+    clock[0] += w.interval + 1e-6
+    assert w.targets() is None  # a poll no notification named ...
+    w.worked()  # ... found rows: they come without notifications
+    assert w.interval == pytest.approx(0.005)
+    notified_wait(w, 2)
+    clock[0] += 0.0051
+    assert w.targets() is None
+
+
+def test_a_wait_times_out_when_the_poll_is_due() -> None:
+    w = Wakeup(1, 1)
+    w.listening = True
+    w.targets()
+    w.worked()
+    w.wait()  # nothing notified: times out 1 ms after the round started
+    assert not w.event.is_set()
+    assert w.targets() is None

@@ -8,33 +8,22 @@ on PostgreSQL the same statement calls ``pg_notify`` (delivered only on commit) 
 
 from __future__ import annotations
 
-import functools
 import json
 import re
 import uuid
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
-from sqlalchemy import (
-    BigInteger,
-    ClauseElement,
-    Connection,
-    Dialect,
-    String,
-    bindparam,
-    func,
-    select,
-)
-from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy import Connection, Dialect
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 from sqlalchemy.orm import Session
-from sqlalchemy.sql.compiler import SQLCompiler
 
+from outbox_relay.producer import statements
 from outbox_relay.shared import faults, keys, partition_counts, tracing
-from outbox_relay.shared.db import db_now_ms, now_ms
+from outbox_relay.shared.db import now_ms
 from outbox_relay.shared.envelope import DEFAULT_MAX_DATA_BYTES, MAX_ID_LENGTH, MAX_REVISION
 from outbox_relay.shared.errors import DuplicateEventError, InvalidEventError
-from outbox_relay.shared.schema import outbox
 
 _TRACEPARENT = re.compile(r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$")
 _TRACESTATE = re.compile(r"^[\x20-\x7e]{1,512}$")
@@ -55,12 +44,24 @@ class Producer:
     """Enqueues events; holds what every event of this service shares.
 
     ``partitions`` must equal the relays' and consumers' ``OUTBOX_PARTITIONS``.
+
+    ``notify`` (PostgreSQL; SQLite has no notifications): each insert also calls ``pg_notify``,
+    so relays wake up as soon as the transaction commits (a few ms end to end). The price is
+    paid at commit: PostgreSQL serializes the commits of transactions that notified (they take
+    one global lock and hold it through the commit's WAL flush), so with many concurrent
+    writers the outbox path stops scaling (bench/PERFORMANCE.md: at 16 threads it did less
+    than half the bare transactions' rate). With ``notify=False`` the insert is the same one
+    round trip without ``pg_notify``, commits run in parallel, and relays find the rows by
+    polling: the latency becomes up to the relay's current poll interval (``poll_min_ms``
+    while rows keep coming, doubling while none do, at most ``poll_max_ms``). Use it for many
+    concurrent writers; keep the default for latency at modest commit rates.
     """
 
     source: str = "outbox-relay"
     partitions: int = 4
     key_prefix: str = keys.DEFAULT_PREFIX
     max_data_bytes: int = DEFAULT_MAX_DATA_BYTES
+    notify: bool = True
 
     def enqueue(self, conn: Connection | Session, **event: Any) -> str:
         """Insert one event in ``conn``'s open transaction and return its id.
@@ -73,7 +74,7 @@ class Producer:
         connection = conn.connection() if isinstance(conn, Session) else conn
         event_id, params = self._params(connection.dialect, event)
         partition_counts.record_or_check(connection, params["stream"], self.partitions)
-        sql, args = _driver_call(connection.dialect, params)
+        sql, args = statements.one_event(connection.dialect, params, self.notify)
         return _inserted(event_id, connection.exec_driver_sql(sql, args).first())
 
     async def enqueue_async(self, conn: AsyncConnection | AsyncSession, **event: Any) -> str:
@@ -83,11 +84,80 @@ class Producer:
         event_id, params = self._params(connection.dialect, event)
         await connection.run_sync(partition_counts.record_or_check, params["stream"],
                                   self.partitions)
-        sql, args = _driver_call(connection.dialect, params)
+        sql, args = statements.one_event(connection.dialect, params, self.notify)
         return _inserted(event_id, (await connection.exec_driver_sql(sql, args)).first())
 
+    def enqueue_many(
+        self, conn: Connection | Session, events: Iterable[Mapping[str, Any]]
+    ) -> list[str]:
+        """Insert a list of events in ``conn``'s open transaction, in one statement (a
+        multi-row insert, :data:`statements.ROWS_PER_STATEMENT` rows a statement), and return
+        their ids in list order. Each event is a mapping of :meth:`build`'s keyword arguments.
+
+        All or nothing: every event is validated before anything is sent; an id twice in the
+        list, or already in the table, raises :class:`DuplicateEventError` naming it, and then
+        the transaction holds no outbox row of this call (those inserted before the duplicate
+        was seen are deleted again; a stream's first partition count may stay recorded) and
+        stays usable: the caller may commit its other writes or roll back. On PostgreSQL with
+        ``notify``, one ``pg_notify`` per distinct partition (after a duplicate, one may still
+        go out at commit: a relay round that finds nothing). Partition counts are checked as
+        by :meth:`enqueue`.
+        """
+        connection = conn.connection() if isinstance(conn, Session) else conn
+        ids, rows = self._rows(events)
+        if not rows:
+            return []
+        for stream in dict.fromkeys(row["stream"] for row in rows):
+            partition_counts.record_or_check(connection, stream, self.partitions)
+        inserted: list[str] = []
+        for sql, args in self._many_calls(connection.dialect, rows):
+            inserted += [r[0] for r in connection.exec_driver_sql(sql, args)]
+        if len(inserted) < len(ids):
+            connection.execute(statements.forget(inserted))
+        return _all_inserted(ids, inserted)
+
+    async def enqueue_many_async(
+        self, conn: AsyncConnection | AsyncSession, events: Iterable[Mapping[str, Any]]
+    ) -> list[str]:
+        """The same as :meth:`enqueue_many` for an ``AsyncConnection`` or ``AsyncSession``
+        (one implementation: only the driver calls are awaited)."""
+        connection = await conn.connection() if isinstance(conn, AsyncSession) else conn
+        ids, rows = self._rows(events)
+        if not rows:
+            return []
+        for stream in dict.fromkeys(row["stream"] for row in rows):
+            await connection.run_sync(partition_counts.record_or_check, stream,
+                                      self.partitions)
+        inserted: list[str] = []
+        for sql, args in self._many_calls(connection.dialect, rows):
+            inserted += [r[0] for r in await connection.exec_driver_sql(sql, args)]
+        if len(inserted) < len(ids):
+            await connection.execute(statements.forget(inserted))
+        return _all_inserted(ids, inserted)
+
     def _params(self, dialect: Dialect, event: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-        return self.build(postgres=dialect.name == "postgresql", **event)
+        # `postgres` adds the notification's parameters: only when the statement notifies.
+        return self.build(postgres=dialect.name == "postgresql" and self.notify, **event)
+
+    def _rows(self, events: Iterable[Mapping[str, Any]]) -> tuple[list[str], list[dict[str, Any]]]:
+        """Validate every event of an :meth:`enqueue_many` call: their ids and rows, or
+        :class:`DuplicateEventError` for an id twice in the list (nothing sent yet)."""
+        ids: list[str] = []
+        rows: list[dict[str, Any]] = []
+        for event in events:
+            event_id, row = self.build(postgres=False, **event)
+            ids.append(event_id)
+            rows.append(row)
+        seen: set[str] = set()
+        for event_id in ids:
+            if event_id in seen:
+                raise DuplicateEventError(f"event {event_id!r} is twice in the list")
+            seen.add(event_id)
+        return ids, rows
+
+    def _many_calls(self, dialect: Dialect, rows: list[dict[str, Any]]) -> list[tuple[str, Any]]:
+        return statements.many_events(dialect, rows, self.notify,
+                                      keys.notify_channel(self.key_prefix))
 
     def build(
         self,
@@ -108,7 +178,8 @@ class Producer:
 
         The id is ``event_id`` if given, else deterministic when aggregate id and revision are
         given, else a random UUID (then only the caller can deduplicate). The statement itself
-        is compiled once per driver (:func:`_driver_call`): only the parameters change.
+        is compiled once per driver (:mod:`producer.statements`): only the parameters change.
+        ``postgres`` adds the parameters of the statement's ``pg_notify``.
 
         ``traceparent``/``tracestate``: the W3C trace context the event carries to its
         consumers; when the caller passes neither, the current OpenTelemetry span's context is
@@ -198,12 +269,6 @@ class Producer:
         return payload
 
 
-_COLUMNS = (
-    "event_id", "stream", "partition", "aggregate_type", "aggregate_id", "revision", "type",
-    "source", "payload", "headers", "created_at_ms",
-)
-
-
 def _inserted(event_id: str, returned: object) -> str:
     """After the insert (sync or async): no returned row means the id existed; then the
     ``producer.before_commit`` fault point (a crash before the caller commits)."""
@@ -213,53 +278,16 @@ def _inserted(event_id: str, returned: object) -> str:
     return event_id
 
 
-def _driver_call(dialect: Dialect, params: dict[str, Any]) -> tuple[str, Any]:
-    """The insert's SQL for this driver and its parameters in the driver's own style."""
-    sql, order = _compiled(dialect.name, dialect.driver, dialect)
-    if order is None:
-        return sql, params
-    return sql, tuple(params[name] for name in order)
-
-
-@functools.cache
-def _compiled(name: str, driver: str, dialect: Dialect) -> tuple[str, tuple[str, ...] | None]:
-    """:func:`_insert_statement` compiled once per (dialect, driver): SQL text and, for a
-    positional paramstyle, the parameter names in order.
-
-    SQLAlchemy cannot cache the compiled form of an ``INSERT`` inside a CTE (the statement
-    has no cache key), so ``connection.execute`` compiled it on every enqueue: half of the
-    producer's added cost (bench/PERFORMANCE.md). ``exec_driver_sql`` sends the text as is.
-    """
-    compiled = cast(SQLCompiler, _insert_statement(name == "postgresql").compile(dialect=dialect))
-    order = tuple(compiled.positiontup or ()) if compiled.positional else None
-    return compiled.string, order
-
-
-def _insert_statement(postgres: bool) -> ClauseElement:
-    """``INSERT … ON CONFLICT (event_id) DO NOTHING RETURNING seq`` with bind parameters. On
-    PostgreSQL the insert is a CTE selected together with ``pg_notify`` (queued in the
-    transaction, delivered only on commit), still one round trip."""
-    values: dict[str, Any] = {
-        name: bindparam(name, type_=outbox.c[name].type) for name in _COLUMNS
-    }
-    # Delivery order is decided by times of one clock, the database's (a producer host whose
-    # clock is off must not delay an event behind a later one of its aggregate).
-    values["available_at_ms"] = db_now_ms(postgres) + bindparam("delay_ms", type_=BigInteger())
-    if not postgres:
-        return (
-            sqlite.insert(outbox)
-            .values(values)
-            .on_conflict_do_nothing(index_elements=["event_id"])
-            .returning(outbox.c.seq)
-        )
-    ins = postgresql.insert(outbox).values(values).on_conflict_do_nothing(
-        index_elements=["event_id"]
-    )
-    cte = ins.returning(outbox.c.seq).cte("ins")
-    notify = func.pg_notify(
-        bindparam("notify_channel", type_=String()), bindparam("notify_payload", type_=String())
-    )
-    return select(cte.c.seq, notify).select_from(cte)
+def _all_inserted(ids: list[str], inserted: list[str]) -> list[str]:
+    """After :meth:`Producer.enqueue_many`'s inserts: the ids, or :class:`DuplicateEventError`
+    naming the first one that was not inserted (the caller deleted the others); then the
+    ``producer.before_commit`` fault point."""
+    if len(inserted) < len(ids):
+        done = set(inserted)
+        first = next(i for i in ids if i not in done)
+        raise DuplicateEventError(f"event {first!r} was already enqueued")
+    faults.point("producer.before_commit")
+    return ids
 
 
 def _check_event(

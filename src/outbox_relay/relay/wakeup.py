@@ -1,15 +1,24 @@
 """When to look for new rows, and where: ``LISTEN/NOTIFY`` on PostgreSQL, adaptive polling
 everywhere.
 
-Producers on PostgreSQL ``NOTIFY`` in their transaction, so the notification arrives only when
-the rows are committed; its payload is the row's partition. The listener runs in a daemon thread
-on its own psycopg connection, records the partition and sets an event; the relay waits on that
-event with the poll interval as its timeout, and its next round visits only the partitions
-named since the last one (:meth:`Wakeup.targets`), not all it holds: at a trickle of events one
-partition's take instead of four. A poll timeout, a lost notification (listener reconnecting),
-a payload that is not a partition, or :data:`FULL_ROUND_S` without a full round (rows waiting
-for their retry time get no notification) make the next round visit every partition. SQLite
-has no notifications: the interval starts short and doubles while the outbox stays empty.
+Producers on PostgreSQL ``NOTIFY`` in their transaction (unless made with ``notify=False``), so
+the notification arrives only when the rows are committed; its payload is the row's partition.
+The listener runs in a daemon thread on its own psycopg connection, records the partition and
+sets an event; a notified round visits only the partitions named since the last one
+(:meth:`Wakeup.targets`), not all it holds: at a trickle of events one partition's take
+instead of four.
+
+Besides, the relay **polls**: a full round (every partition) at least every poll interval,
+whether or not notifications keep cutting the waits short. The interval is ``poll_min_ms``
+after a full round that found rows no notification had named, and doubles after each full
+round that found nothing, up to ``poll_max_ms``. So rows nobody announced are taken within the
+current interval (at most ``poll_max_ms``): those of producers that do not notify (many
+concurrent writers: a notifying commit takes a global lock, see ``Producer``), a lost
+notification (listener reconnecting), rows waiting for their retry time, a payload that is not
+a partition. A relay with no traffic settles at one full round per ``poll_max_ms``; rows whose
+notification names them are taken at once, as before; notified rows do not shorten the
+interval (the notifications serve them). Without a listener (SQLite, or the ``LISTEN``
+connection down) every round is a full round.
 """
 
 from __future__ import annotations
@@ -26,37 +35,48 @@ from outbox_relay.shared.redaction import redact_url
 log = logging.getLogger(__name__)
 
 FULL_ROUND_S = 1.0
-"""The longest a partition goes unvisited while notifications keep naming others: its rows
-waiting for their retry time, or whose notification was lost, are taken within this."""
+"""The longest a partition goes unvisited while notifications keep naming others, whatever the
+poll interval (``poll_max_ms`` may be set longer than this)."""
 
 
 class Wakeup:
-    """Adaptive wait between relay rounds, cut short by a notification or by ``stop``."""
+    """Adaptive wait between relay rounds, cut short by a notification or by ``stop``.
+
+    The relay calls :meth:`targets` at the start of each round, :meth:`worked` when the round
+    found rows, and :meth:`wait` before the next round when it has no backlog to chain.
+    """
 
     def __init__(self, min_ms: int, max_ms: int) -> None:
         self.min_s = min_ms / 1000
         self.max_s = max_ms / 1000
-        self.interval = self.min_s
+        self.interval = self.min_s  # the poll interval: from one full round to the next
         self.event = threading.Event()
         self.stopping = threading.Event()
         self.listening = False
         self._lock = threading.Lock()
         self._named: set[int] = set()  # partitions notified since the last round
         self._everything = True  # the next round visits every partition
-        self._last_full = 0.0
+        self._last_full = 0.0  # monotonic start of the last full round
+        self._empty_full = False  # the current round is a full round that found nothing (yet)
+        self._polled = False  # the current round is a full round no notification named
 
     def worked(self) -> None:
-        """A round found work: poll again soon."""
-        self.interval = self.min_s
+        """The round found rows. If it was a poll (a full round no notification named), rows
+        come without notifications: poll again after ``poll_min_ms``."""
+        self._empty_full = False
+        if self._polled:
+            self.interval = self.min_s
 
     def wait(self) -> None:
-        """Sleep until notified, stopped, or the current interval passes, then back off."""
-        timeout = self.max_s if self.listening else self.interval
+        """Sleep until notified, stopped, or the next full round is due (the poll interval
+        after the start of the last one; doubled first if that round found nothing)."""
+        if self._empty_full:  # a full round found nothing: back off
+            self.interval = min(self.interval * 2, self.max_s)
+            self._empty_full = False
+        timeout = max(0.0, self._last_full + self.interval - time.monotonic())
         if self.event.wait(timeout):
             self.event.clear()
-            self.interval = self.min_s
         else:
-            self.interval = min(self.interval * 2, self.max_s)
             self.visit_everything()
 
     def notify(self, partition: int | None = None) -> None:
@@ -75,8 +95,9 @@ class Wakeup:
         now = time.monotonic()
         with self._lock:
             everything = self._everything or not self.listening or (
-                now - self._last_full >= FULL_ROUND_S)
+                now - self._last_full >= min(self.interval, FULL_ROUND_S))
             named, self._named, self._everything = self._named, set(), False
+        self._empty_full, self._polled = everything, everything and not named
         if everything:
             self._last_full = now
             return None

@@ -244,9 +244,12 @@ class RelaySettings(DaemonSettings, RetentionSettings):
 
     batch_size: int = Field(500, ge=1, le=10_000, description="Rows taken per batch.")
     lease_ttl_ms: int = Field(10_000, ge=500, description="Partition lease lifetime.")
-    poll_min_ms: int = Field(5, ge=1, description="Shortest idle poll interval.")
+    poll_min_ms: int = Field(
+        5, ge=1, description="Poll interval after a poll that found rows (also while LISTENing)."
+    )
     poll_max_ms: int = Field(
-        500, ge=1, description="Longest idle poll interval (also the LISTEN fallback)."
+        500, ge=1, description="Longest poll interval, listening or not: the most a row nobody "
+        "notified waits."
     )
     wait_replicas: int = Field(
         0, ge=0, description="Before marking, WAIT until this many replicas acknowledged (0=off)."
