@@ -19,7 +19,7 @@ from sqlalchemy import Engine
 
 import outbox_relay.relay
 from outbox_relay.relay import entry_ids
-from outbox_relay.relay import status as relay_status
+from outbox_relay.relay import leases as relay_leases
 from outbox_relay.relay.daemon import Relay
 from outbox_relay.shared import keys
 from outbox_relay.shared.db import now_ms as true_now_ms
@@ -162,7 +162,7 @@ def test_status_and_progress_read_waits_and_lease_expiry_by_the_database_clock(
                   redis_client)
     assert lease_round(relay, monkeypatch, 3_600_000) == EVERY
     enqueue_events(engine, 8)
-    shown = relay_status.leases(engine)
+    shown = relay_leases.holders(engine)
     assert {r["partition"] for r in shown} == EVERY
     assert all(r["owner"] == "relay-a" and 0 < r["expires_in_ms"] <= TTL for r in shown)
     line = relay.log_progress()

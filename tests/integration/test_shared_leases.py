@@ -148,3 +148,17 @@ def test_hosts_an_hour_apart_share_the_keys_by_the_database_clock(
     a = leases.acquire(engine, table, scope, "a", keys, TTL_MS)
     assert len(a) == len(b) == len(keys) // 2 and not set(a) & set(b)
     assert set(a.values()) == {1} and set(b.values()) == {2}  # one handover, no flapping
+
+
+def test_a_lease_its_owner_let_expire_comes_back_to_it_under_a_new_epoch(
+    engine: Engine, kind: str
+) -> None:
+    """A node paused past its TTL (nobody took its keys meanwhile) wins them back at its next
+    round, but as a new lease: epoch + 1, so the caller treats the keys as newly owned (takes
+    over their pending entries first) and a write fenced at the old epoch is refused."""
+    table, scope, keys = table_of(kind), scope_of(kind), KEYS_OF[kind]
+    before = leases.acquire(engine, table, scope, "a", keys, TTL_MS)
+    assert leases.acquire(engine, table, scope, "a", keys, TTL_MS) == before  # renewed
+    expire(engine, table, scope, "a")
+    after = leases.acquire(engine, table, scope, "a", keys, TTL_MS)
+    assert after == {k: e + 1 for k, e in before.items()}

@@ -2,7 +2,7 @@
 
 This module only wires and renders: every read is a component's. The relay's side is
 :func:`relay.backlog.summary` and :func:`relay.backlog.refused` (the outbox),
-:func:`relay.stream_book.trim_report` (trims) and :func:`relay.status.leases` (partition
+:func:`relay.stream_book.trim_report` (trims) and :func:`relay.leases.holders` (partition
 owners); the consumers' is :func:`consumer.status.streams` (streams and groups, in Redis),
 :func:`consumer.ownership.owners` (partition stream owners) and :func:`consumer.status.retries`.
 """
@@ -18,7 +18,7 @@ from sqlalchemy import Engine
 from outbox_relay.consumer import ownership
 from outbox_relay.consumer import status as consumer_status
 from outbox_relay.relay import backlog as relay_backlog
-from outbox_relay.relay import status as relay_status
+from outbox_relay.relay import leases as relay_leases
 from outbox_relay.relay import stream_book
 from outbox_relay.shared import partition_counts
 
@@ -42,7 +42,7 @@ def collect(engine: Engine, client: redis.Redis, prefix: str) -> dict[str, Any]:
     return {
         "outbox": outbox,
         "streams": streams,
-        "relay_leases": relay_status.leases(engine),
+        "relay_leases": relay_leases.holders(engine),
         "relay_refused": relay_backlog.refused(engine),  # streams backing off (relay/refusals.py)
         "consumer_leases": consumer_leases,
         "retries": consumer_status.retries(engine),

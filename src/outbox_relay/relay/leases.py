@@ -77,6 +77,13 @@ def release_leases(engine: Engine, node_id: str, held: dict[int, int]) -> None:
     leases.release(engine, RELAY_LEASES, {}, node_id, {(p,): e for p, e in held.items()})
 
 
+def holders(engine: Engine) -> list[dict[str, Any]]:
+    """Each partition's owner (``None`` when free or expired), fencing epoch and how long its
+    lease has left (``expires_in_ms``), for ``outbox status``: the listing every lease kind
+    shares (:func:`shared.leases.holders`), by the database's clock."""
+    return leases.holders(engine, RELAY_LEASES)
+
+
 def renew_lease(engine: Engine, partition: int, node_id: str, epoch: int, ttl_ms: int) -> None:
     """Prove (and extend) that we still own ``partition`` at ``epoch``; else LeaseLostError.
     Both by the database's clock, as every lease test (:func:`_ours_bound`)."""
