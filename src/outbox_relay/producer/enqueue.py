@@ -48,9 +48,10 @@ class Producer:
     ``notify`` (PostgreSQL; SQLite has no notifications): each insert also calls ``pg_notify``,
     so relays wake up as soon as the transaction commits (a few ms end to end). The price is
     paid at commit: PostgreSQL serializes the commits of transactions that notified (they take
-    one global lock and hold it through the commit's WAL flush), so with many concurrent
-    writers the outbox path stops scaling (bench/PERFORMANCE.md: at 16 threads it did less
-    than half the bare transactions' rate). With ``notify=False`` the insert is the same one
+    one global lock and hold it through the commit's WAL flush). How much that costs depends
+    on the machine (bench/PERFORMANCE.md: at 16 threads nothing measurable on an idle 2-core
+    machine, half the rate when other load stretched the WAL flushes). With ``notify=False``
+    the insert is the same one
     round trip without ``pg_notify``, commits run in parallel, and relays find the rows by
     polling: the latency becomes up to the relay's current poll interval (``poll_min_ms``
     while rows keep coming, doubling while none do, at most ``poll_max_ms``). Use it for many
