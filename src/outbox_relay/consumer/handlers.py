@@ -84,9 +84,14 @@ B = TypeVar("B", bound="BatchHandler | AsyncBatchHandler")
 
 
 class Handlers:
-    """The registry one consumer group dispatches on (exact ``type`` match, or ``"*"``)."""
+    """The registry one consumer group dispatches on (exact ``type`` match, or ``"*"``).
 
-    def __init__(self) -> None:
+    ``pipeline``: on PostgreSQL, handlers' one-row inserts are sent without waiting for each
+    result (consumer/pipelining.py: what is and is not, and what a handler sees); False sends
+    every statement and waits, as on SQLite and with async handlers."""
+
+    def __init__(self, *, pipeline: bool = True) -> None:
+        self.pipeline = pipeline
         self._by_type: dict[str, Handler] = {}
         self._ordering: dict[str, Ordering] = {}
         self._retry: dict[str, Retry] = {}

@@ -33,6 +33,7 @@ from sqlalchemy import Connection, exc
 from sqlalchemy import exc as sa_exc
 
 from outbox_relay.consumer.handlers import BatchHandler, Handler, Handlers
+from outbox_relay.consumer.pipelining import pipelined
 from outbox_relay.consumer.retry import PermanentError, Retry, judge
 from outbox_relay.shared import tracing
 from outbox_relay.shared.db import is_postgres
@@ -145,6 +146,9 @@ class _Deferred:
 
     calls: dict[int, tuple[BatchHandler, list[Delivery]]] = field(default_factory=dict)
     owners: dict[AggregateKey, int] = field(default_factory=dict)
+    # The handlers' inserts are in flight (consumer/pipelining.py): a database error raised
+    # in a handler may be an earlier handler's, so it names no delivery.
+    pipelined: bool = False
 
     def add(self, conn: Connection, fn: BatchHandler, d: Delivery,
             key: AggregateKey | None) -> None:
@@ -199,10 +203,16 @@ def decide_batch(
         trial = ledger.copy()
         deferred = _Deferred()
         try:
-            with conn.begin_nested():
+            with conn.begin_nested(), pipelined(conn, handlers.pipeline) as pipe:
+                deferred.pipelined = pipe.on
                 outcomes = [_decide(conn, d, trial, handlers, False, group, default,
                                     deferred=deferred) for d in batch]
                 deferred.flush(conn)
+                try:
+                    pipe.finish()
+                except Exception as err:  # an insert in flight failed: whose is not known
+                    _raise_if_claim_lost(conn, err)
+                    raise _HandlerFailed(None, err) from err
                 return outcomes, trial
         except _HandlerFailed as caught:
             failure = caught
@@ -289,7 +299,8 @@ def _call(conn: Connection, d: Delivery, handler: Handler, handlers: Handlers,
             deferred.add(conn, batch_handler, d, key)
             return None
         deferred.before(conn, key)
-    return _run(conn, d, handler, savepoints, group)
+    return _run(conn, d, handler, savepoints, group,
+                pipelined=deferred is not None and deferred.pipelined)
 
 
 def _failed(d: Delivery, err: Exception, ledger: Ledger, policy: Retry | None, strict: bool,
@@ -318,13 +329,16 @@ def _failed(d: Delivery, err: Exception, ledger: Ledger, policy: Retry | None, s
 
 
 def _run(
-    conn: Connection, d: Delivery, handler: Handler, savepoints: bool, group: str
+    conn: Connection, d: Delivery, handler: Handler, savepoints: bool, group: str,
+    pipelined: bool = False,
 ) -> Exception | None:
     """Run the handler (in a trace span, child of the producer's context when tracing is
     on: :func:`shared.tracing.process_span`); its own failure, None when it succeeded.
 
-    Without savepoints (the optimistic path) a failure raises :class:`_HandlerFailed`. A lost
-    connection or contention raises (the whole claim fails and is retried).
+    Without savepoints (the optimistic path) a failure raises :class:`_HandlerFailed`; with
+    ``pipelined`` inserts in flight a database error names no delivery (it may be an earlier
+    handler's insert). A lost connection or contention raises (the whole claim fails and is
+    retried).
     """
     event = d.event
     if not savepoints:
@@ -334,7 +348,8 @@ def _run(
                 handler(conn, event)
         except Exception as err:
             _raise_if_claim_lost(conn, err)
-            raise _HandlerFailed(d, err) from err
+            known = not (pipelined and isinstance(err, exc.DBAPIError))
+            raise _HandlerFailed(d if known else None, err) from err
         return None
     try:
         with conn.begin_nested(), tracing.process_span(

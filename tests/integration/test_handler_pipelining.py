@@ -1,0 +1,163 @@
+"""Handlers' one-row inserts in flight on PostgreSQL (consumer/pipelining.py): what a handler
+reads is what it reads without pipelining, and a failing insert still fails only its own event.
+Every case runs on both databases (SQLite never pipelines: the same outcomes are expected)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from sqlalchemy import Connection, Engine, func, insert, select, text, update
+from sqlalchemy import exc as sa_exc
+
+from outbox_relay.consumer import inbox
+from outbox_relay.consumer.handlers import Handlers
+from outbox_relay.consumer.pipelining import _ACTIVE
+from outbox_relay.shared.db import is_postgres
+from outbox_relay.shared.envelope import Event
+from tests.helpers import create_effects, effect_counts, effects, event, receipt_outcomes
+
+pytestmark = pytest.mark.integration
+
+
+def deliveries(events: list[Event]) -> list[inbox.Delivery]:
+    return [inbox.Delivery("k", f"1-{i}", ev, 1) for i, ev in enumerate(events)]
+
+
+def in_flight(conn: Connection) -> bool:
+    """Whether the claim's connection is in pipeline mode right now."""
+    return id(conn.connection.driver_connection) in _ACTIVE
+
+
+def test_inserts_are_pipelined_on_postgresql_and_read_back_inside_the_batch(
+    engine: Engine,
+) -> None:
+    create_effects(engine)
+    seen: dict[str, Any] = {}
+
+    def handler(conn: Connection, ev: Event) -> None:
+        seen.setdefault("pipelined", []).append(in_flight(conn))
+        n = 30_000 + 100 * int(ev.aggregateid[1:])  # type: ignore[index]
+        result = conn.execute(effects.insert().values(n=n, event_id=ev.id, note="x"))
+        seen.setdefault("rowcount", []).append(result.rowcount)  # 1, as without pipelining
+        # The same insert as text SQL (also left in flight).
+        conn.execute(text("INSERT INTO test_effects (n, event_id, note) VALUES (:n, :e, :note)"),
+                     {"n": n + 1, "e": ev.id, "note": "text"})
+        # A read after pipelined inserts sees all of them (the batch's so far).
+        count = conn.execute(select(func.count()).select_from(effects)).scalar_one()
+        seen.setdefault("counts", []).append(count)
+        # An insert returning its generated key waits for its result.
+        key = conn.execute(effects.insert().values(event_id=ev.id, note="key")
+                           ).inserted_primary_key
+        seen.setdefault("keys", []).append(key is not None and key[0] is not None)
+        # An UPDATE's row count is its own.
+        changed = conn.execute(update(effects).where(effects.c.event_id == ev.id)
+                               .values(note="y")).rowcount
+        seen.setdefault("updated", []).append(changed)
+
+    handlers = Handlers()
+    handlers.register("*", handler)
+    events = [event(f"p{i}", 1) for i in range(4)]
+    outcomes = inbox.claim(engine, "g", deliveries(events), handlers)
+    assert [o.outcome for o in outcomes] == [inbox.APPLIED] * 4
+    assert seen["pipelined"] == [is_postgres(engine)] * 4
+    assert seen["rowcount"] == [1] * 4
+    assert seen["counts"] == [2, 5, 8, 11]
+    assert seen["keys"] == [True] * 4
+    assert seen["updated"] == [3] * 4
+    assert effect_counts(engine) == {ev.id: 3 for ev in events}
+
+
+def test_a_failing_insert_in_flight_fails_only_its_own_event(engine: Engine) -> None:
+    """The duplicate key of event 2 is raised later (by event 4's read, or at the end):
+    the batch is redone one savepoint per handler, and only event 2 fails."""
+    create_effects(engine)
+    with engine.begin() as conn:
+        conn.execute(insert(effects).values(n=10_002, event_id="taken", note="x"))
+    calls: list[str] = []
+
+    def handler(conn: Connection, ev: Event) -> None:
+        calls.append(ev.id)
+        n = 10_000 + int(ev.aggregateid[1:])  # type: ignore[index]
+        conn.execute(insert(effects).values(n=n, event_id=ev.id, note="x"))
+        if ev.aggregateid == "q4":
+            conn.execute(select(func.count()).select_from(effects)).scalar_one()
+
+    handlers = Handlers()
+    handlers.register("*", handler)
+    events = [event(f"q{i}", 1) for i in range(6)]
+    outcomes = inbox.claim(engine, "g", deliveries(events), handlers)
+    assert [o.outcome for o in outcomes] == [
+        inbox.APPLIED, inbox.APPLIED, inbox.FAILED, inbox.APPLIED, inbox.APPLIED, inbox.APPLIED]
+    assert outcomes[2].error == "IntegrityError"
+    assert effect_counts(engine) == {"taken": 1, **{ev.id: 1 for i, ev in enumerate(events)
+                                                    if i != 2}}
+    assert receipt_outcomes(engine) == {ev.id: inbox.APPLIED for i, ev in enumerate(events)
+                                        if i != 2}
+    # In flight, which handler failed is unknown: the redo runs every handler again. Not
+    # pipelined (SQLite), the failing one is named and the redo skips it.
+    redo = [ev.id for i, ev in enumerate(events) if is_postgres(engine) or i != 2]
+    assert calls[-len(redo):] == redo
+
+
+def test_a_handler_catching_its_own_insert_error_gets_it_in_the_redo(engine: Engine) -> None:
+    """A handler that handles its duplicate key itself (in its own savepoint) is applied:
+    in flight, the error reaches it only when the batch is redone without pipelining."""
+    create_effects(engine)
+    with engine.begin() as conn:
+        conn.execute(insert(effects).values(n=20_001, event_id="taken", note="x"))
+
+    def handler(conn: Connection, ev: Event) -> None:
+        n = 20_000 + int(ev.aggregateid[1:])  # type: ignore[index]
+        try:
+            with conn.begin_nested():
+                conn.execute(insert(effects).values(n=n, event_id=ev.id, note="x"))
+        except sa_exc.IntegrityError:
+            conn.execute(text("UPDATE test_effects SET note = 'kept' WHERE n = :n"), {"n": n})
+
+    handlers = Handlers()
+    handlers.register("*", handler)
+    events = [event(f"r{i}", 1) for i in range(3)]
+    outcomes = inbox.claim(engine, "g", deliveries(events), handlers)
+    assert [o.outcome for o in outcomes] == [inbox.APPLIED] * 3
+    with engine.connect() as conn:
+        notes = dict(conn.execute(select(effects.c.n, effects.c.note)).all())
+    assert notes == {20_000: "x", 20_001: "kept", 20_002: "x"}
+
+
+def test_pipeline_false_sends_each_statement_and_waits(engine: Engine) -> None:
+    create_effects(engine)
+    states: list[bool] = []
+
+    def handler(conn: Connection, ev: Event) -> None:
+        states.append(in_flight(conn))
+        conn.execute(effects.insert().values(event_id=ev.id, note="x"))
+
+    handlers = Handlers(pipeline=False)
+    handlers.register("*", handler)
+    events = [event(f"s{i}", 1) for i in range(3)]
+    outcomes = inbox.claim(engine, "g", deliveries(events), handlers)
+    assert [o.outcome for o in outcomes] == [inbox.APPLIED] * 3
+    assert states == [False] * 3
+    assert effect_counts(engine) == {ev.id: 1 for ev in events}
+
+
+def test_a_python_error_after_inserts_in_flight_still_names_its_event(engine: Engine) -> None:
+    """A handler's own (non-database) error is its event's, pipelined or not: the redo does
+    not run it again, and the inserts in flight before it commit with their events."""
+    create_effects(engine)
+    calls: list[str] = []
+
+    def handler(conn: Connection, ev: Event) -> None:
+        calls.append(ev.id)
+        conn.execute(effects.insert().values(event_id=ev.id, note="x"))
+        if ev.aggregateid == "t1":
+            raise ValueError("bad data")
+
+    handlers = Handlers()
+    handlers.register("*", handler)
+    events = [event(f"t{i}", 1) for i in range(3)]
+    outcomes = inbox.claim(engine, "g", deliveries(events), handlers)
+    assert [o.outcome for o in outcomes] == [inbox.APPLIED, inbox.FAILED, inbox.APPLIED]
+    assert calls == [events[0].id, events[1].id, events[0].id, events[2].id]
+    assert effect_counts(engine) == {events[0].id: 1, events[2].id: 1}
