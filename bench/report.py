@@ -291,6 +291,7 @@ def _database_lines(r: dict[str, Any]) -> list[str]:
     lines += _cluster_lines(r.get("cluster", {}))
     for rate, lat in r.get("latency", {}).items():
         lines += _latency_lines(rate, lat)
+    lines += _capacity_lines(r.get("capacity", {}))
     if "producer" in r:
         p = r["producer"]
         lines.append(
@@ -330,6 +331,23 @@ def _handler_lines(h: dict[str, Any]) -> list[str]:
                      f"x{s.get('ratio', math.nan):.2f} loop (runs {paired})"
                      f"{_ratio_passes(s)}  [CPU µs/event: python {cpu.get('python', 0):.1f}"
                      f"{db}]")
+    return lines
+
+
+def _capacity_lines(c: dict[str, Any]) -> list[str]:
+    """The sustained-rate sweep (``run.capacity``): per offered rate, achieved and latency."""
+    if not c:
+        return []
+    lines = [f"  capacity sweep ({c['threads']} writer threads, one event per transaction, "
+             f"{c['seconds']:g} s per rate, one-row handler):"]
+    for rate, row in c["rows"].items():
+        cells = "  ".join(f"{q} {fmt(row[q], '', 1)}" for q in ("p50", "p99"))
+        behind = f"  (fell behind: {row['missing']} unclaimed)" if row.get("missing") else ""
+        lines.append(f"    offered {int(rate):>6}/s: committed {fmt(row['produced'], '/s')}  "
+                     f"claimed {fmt(row['achieved'], '/s')}  latency (ms) {cells}{behind}")
+    lines.append(f"    capacity (p99 <= {c['p99_bar_ms']:g} ms, >= 90 % of the offered rate "
+                 "claimed, nothing left behind): "
+                 f"{c['capacity']:,.0f} ev/s")
     return lines
 
 

@@ -32,8 +32,8 @@ from bench.baseline import PHASES, redis_ceiling
 from torture.redis_sets import TopologyError, TopologyUnsupported
 
 ROOT = Path(__file__).resolve().parent.parent
-SCENARIOS = ("baseline", "relay", "consumer", "cluster", "latency", "producer", "ceiling",
-             "memory")
+SCENARIOS = ("baseline", "relay", "consumer", "cluster", "latency", "capacity", "producer",
+             "ceiling", "memory")
 
 
 @dataclass(frozen=True)
@@ -67,16 +67,24 @@ class Config:
     producer_threads: tuple[int, ...] = (1, 4, 16)
     producer_block_s: float = 3.0
     producer_rounds: int = 3
+    # Issue 24, the sustained-rate sweep (:func:`capacity`): these offered rates, each for
+    # capacity_seconds, by capacity_threads writer threads (one event per transaction),
+    # through one relay and one consumer whose handler writes one row per event.
+    capacity_rates: tuple[int, ...] = (1000, 2000, 5000, 10000)
+    capacity_seconds: float = 10.0
+    capacity_threads: int = 8
 
 
 FULL = Config(2, 50_000, (100, 500, 2000), (1, 2, 4), 20_000, (1, 2), 500,
               (100, 1000, 5000), 10.0, 1000, 600.0, 1000, passes=2)
 QUICK = Config(1, 3_000, (500,), (1, 2), 2_000, (1, 2), 500, (100, 1000), 2.0, 200, 6.0, 500,
-               handler_events=5_000, producer_block_s=1.5)
+               handler_events=5_000, producer_block_s=1.5, capacity_rates=(1000, 2000, 5000),
+               capacity_seconds=3.0)
 TINY = Config(1, 600, (100,), (2,), 400, (1,), 100, (200,), 1.0, 100, 2.0, 200,
               cluster_relays=1, cluster_consumers=1, one_relay_row=False,
               handler_events=400, handler_rounds=1, producer_threads=(1, 4),
-              producer_block_s=0.2, producer_rounds=1)
+              producer_block_s=0.2, producer_rounds=1, capacity_rates=(200,),
+              capacity_seconds=1.0, capacity_threads=2)
 # The tiny smoke run (a test with a 180 s limit) leaves the cluster rows out unless asked.
 TINY_SCENARIOS = tuple(s for s in SCENARIOS if s != "cluster")
 
@@ -179,20 +187,10 @@ def bench_database(
         out["cluster"] = cluster_rows(target, cfg, workdir, say)
     if "latency" in only:
         out["latency"] = latency(target, cfg, cdfs, say)
+    if "capacity" in only:
+        out["capacity"] = capacity(target, cfg, say)
     if "producer" in only:
-        say("producer overhead")
-        pairs = [scenarios.producer_overhead(target, cfg.producer_txns) for _ in range(n)]
-        out["producer"] = {
-            "bare_ms": report.summary([a for a, _ in pairs]),
-            "enqueue_ms": report.summary([b for _, b in pairs]),
-            "ratio": report.summary([b / a for a, b in pairs]),
-        }
-        if target.kind == "postgresql":
-            say(f"producers at {', '.join(map(str, cfg.producer_threads))} threads: bare / "
-                f"enqueue / no notify, {cfg.producer_rounds} rounds of "
-                f"{cfg.producer_block_s:g} s blocks")
-            out["producer"]["threads"] = producers.concurrent(
-                target, cfg.producer_threads, cfg.producer_block_s, cfg.producer_rounds)
+        out["producer"] = producer_rows(target, cfg, say)
     if "ceiling" in only:
         out["ceiling"] = {}
         for b in cfg.batches:
@@ -200,6 +198,27 @@ def bench_database(
             out["ceiling"][str(b)] = repeat(
                 n, lambda b=b: redis_ceiling(target, cfg.relay_events, b))
     report.add_ratios(out, target.kind)
+    return out
+
+
+def producer_rows(
+    target: env.Target, cfg: Config, say: Callable[[str], None]
+) -> dict[str, Any]:
+    """One transaction with and without ``enqueue``; on PostgreSQL also bare / enqueue / no
+    notify at several writer thread counts (:func:`producers.concurrent`)."""
+    say("producer overhead")
+    pairs = [scenarios.producer_overhead(target, cfg.producer_txns) for _ in range(cfg.runs)]
+    out: dict[str, Any] = {
+        "bare_ms": report.summary([a for a, _ in pairs]),
+        "enqueue_ms": report.summary([b for _, b in pairs]),
+        "ratio": report.summary([b / a for a, b in pairs]),
+    }
+    if target.kind == "postgresql":
+        say(f"producers at {', '.join(map(str, cfg.producer_threads))} threads: bare / "
+            f"enqueue / no notify, {cfg.producer_rounds} rounds of "
+            f"{cfg.producer_block_s:g} s blocks")
+        out["threads"] = producers.concurrent(
+            target, cfg.producer_threads, cfg.producer_block_s, cfg.producer_rounds)
     return out
 
 
@@ -275,6 +294,46 @@ def latency(
     return out
 
 
+CAPACITY_P99_MS = 100.0
+"""The sweep's bar: the capacity is the highest offered rate claimed whole with p99 under it."""
+CAPACITY_SHARE = 0.9
+"""...and claimed at no less than this share of the offered rate (see :func:`capacity`)."""
+
+
+def capacity(
+    target: env.Target, cfg: Config, say: Callable[[str], None]
+) -> dict[str, Any]:
+    """The sustained-rate sweep: each offered rate of ``cfg.capacity_rates`` for
+    ``capacity_seconds`` by ``capacity_threads`` writer threads, one event per transaction,
+    through one relay and one consumer whose handler writes one row per event (4 partitions).
+    Per rate: the rate the writers committed (``produced``: below the offered one when they
+    could not offer it), the rate claimed end to end (``achieved``), the end-to-end
+    percentiles and what was left unclaimed at the deadline. ``capacity``: the highest
+    offered rate with nothing left unclaimed, p99 at most :data:`CAPACITY_P99_MS` and at
+    least :data:`CAPACITY_SHARE` of it claimed per second (0 when none is): a rate the
+    writers could not offer is not one the pipeline was shown to carry."""
+    rows: dict[str, Any] = {}
+    for rate in cfg.capacity_rates:
+        say(f"capacity: {rate} ev/s offered by {cfg.capacity_threads} writer threads, "
+            "one-row handler")
+        runs = [scenarios.pipeline(target, rate, cfg.capacity_seconds, 4,
+                                   producer_threads=cfg.capacity_threads, one_row=True)
+                for _ in range(cfg.runs)]
+        row: dict[str, Any] = {
+            q: report.summary([report.percentile(r.latencies_ms, f) for r in runs])
+            for q, f in report.QUANTILES
+        }
+        row["achieved"] = report.summary([r.achieved for r in runs])
+        row["produced"] = report.summary([r.produced for r in runs])
+        row["missing"] = max(r.missing for r in runs)
+        rows[str(rate)] = row
+    kept_up = [int(rate) for rate, row in rows.items()
+               if not row["missing"] and row["p99"]["median"] <= CAPACITY_P99_MS
+               and row["achieved"]["median"] >= CAPACITY_SHARE * int(rate)]
+    return {"threads": cfg.capacity_threads, "seconds": cfg.capacity_seconds,
+            "p99_bar_ms": CAPACITY_P99_MS, "rows": rows, "capacity": max(kept_up, default=0)}
+
+
 def cluster_rows(
     target: env.Target, cfg: Config, workdir: Path, say: Callable[[str], None]
 ) -> dict[str, Any]:
@@ -348,16 +407,7 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     for kind, r in results["databases"].items():
         out += relay_targets(kind, r.get("relay", {}))
         if kind == "postgresql":
-            for name, s in r.get("consumer", {}).items():
-                if name.startswith("1 proc"):
-                    add(f"postgresql consumer {name} claims/s", s["median"], ">= 10000",
-                        s["median"] >= 10_000)
-            rows = r.get("consumer_handlers", {}).get("rows", {})
-            for variant, goal in HANDLER_TARGETS.items():
-                ratio = rows.get(variant, {}).get("ratio")
-                if ratio is not None:
-                    add(f"postgresql consumer, {variant} handler / hand-written loop", ratio,
-                        f">= {goal}", ratio >= goal)
+            out += postgresql_targets(r)
         lat = r.get("latency", {}).get("1000")
         if lat:
             goal = 20.0 if kind == "postgresql" else 100.0
@@ -369,6 +419,28 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
             out += producers.targets(kind, r["producer"])
     for name, v in results.get("memory", {}).get("processes", {}).items():
         add(f"RSS growth of {name} (%)", v["growth_pct"], "< 10", v["growth_pct"] < 10)
+    return out
+
+
+def postgresql_targets(r: dict[str, Any]) -> list[dict[str, Any]]:
+    """The consumer's claims/s and its handler rows against the hand-written loop (issue 23),
+    and the sustained-rate capacity (issue 24), on PostgreSQL."""
+    out: list[dict[str, Any]] = []
+    for name, s in r.get("consumer", {}).items():
+        if name.startswith("1 proc"):
+            out.append({"name": f"postgresql consumer {name} claims/s", "value": s["median"],
+                        "goal": ">= 10000", "met": s["median"] >= 10_000})
+    rows = r.get("consumer_handlers", {}).get("rows", {})
+    for variant, goal in HANDLER_TARGETS.items():
+        ratio = rows.get(variant, {}).get("ratio")
+        if ratio is not None:
+            out.append({"name": f"postgresql consumer, {variant} handler / hand-written loop",
+                        "value": ratio, "goal": f">= {goal}", "met": ratio >= goal})
+    cap = r.get("capacity")
+    if cap:
+        value = float(cap["capacity"])
+        out.append({"name": f"postgresql capacity, ev/s with p99 <= {cap['p99_bar_ms']:g} ms",
+                    "value": value, "goal": ">= 5000", "met": value >= 5000})
     return out
 
 

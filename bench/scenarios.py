@@ -344,6 +344,12 @@ class Pipeline:
     rss_kb: dict[str, list[tuple[float, int]]]
     missing: int = 0  # events not claimed by the deadline: the pipeline did not keep up
     stages_ms: dict[str, list[float]] = field(default_factory=dict)
+    # Events claimed per second, from the first commit to the last claim: the offered rate
+    # when the pipeline kept up, less when it fell behind.
+    achieved: float = 0.0
+    # Events committed per second by the producer, first commit to last: below the offered
+    # rate when the writers themselves could not offer it.
+    produced: float = 0.0
 
 
 def rss_kb(pid: int) -> int:
@@ -356,18 +362,25 @@ def rss_kb(pid: int) -> int:
 
 def pipeline(
     target: Target, rate: float, seconds: float, partitions: int, sample_every: float = 0.0,
-    *, record: bool = True, notify: bool = True,
+    *, record: bool = True, notify: bool = True, producer_threads: int = 1,
+    one_row: bool = False,
 ) -> Pipeline:
     """Steady producer at ``rate`` → one relay → one consumer; commit→claim latency per event.
 
     With ``notify`` False the producer is made with ``notify=False``: no ``pg_notify``, the
-    relay finds its rows by polling.
+    relay finds its rows by polling. ``producer_threads`` > 1: that many writer threads, one
+    event per transaction each (:func:`workers.producer_child`); ``one_row``: the consumer's
+    handler writes one row per event (``bench_effects``, emptied first).
 
     With ``sample_every`` > 0 the relay's and consumer's RSS is sampled during the run. With
     ``record`` False the consumer does not keep each event's claim time (no latencies): in a
     10-minute memory run that map alone (600,000 entries) grew its RSS by 60%.
     """
     target.reset(partitions)
+    if one_row:
+        consumer_loop.create_effects(target)
+        with target.engine.begin() as conn:
+            conn.execute(consumer_loop.effects.delete())
     keys = streams.partition_keys(target.prefix, [STREAM], partitions)
     streams.ensure_groups(target.redis, keys, "bench")
     total = int(rate * seconds)
@@ -376,9 +389,9 @@ def pipeline(
                         500, "bench-relay", c.ready, c.start, c.stop, c.results, False, record)
         consumer = c.spawn(workers.consumer_child, target.url, REDIS_URL, target.prefix,
                            partitions, 500, "bench-consumer", c.ready, c.start, c.stop,
-                           c.results, record)
+                           c.results, record, one_row)
         c.spawn(workers.producer_child, target.url, target.prefix, partitions, rate, seconds,
-                c.ready, c.start, c.results, notify)
+                c.ready, c.start, c.results, notify, producer_threads)
         rss: dict[str, list[tuple[float, int]]] = {"relay": [], "consumer": []}
         t0 = c.go()
         _sample(rss, relay.pid, consumer.pid, 0.0)
@@ -407,7 +420,12 @@ def pipeline(
     lat = [(claimed[i] - t) * 1000 for i, t in committed.items() if i in claimed]
     stages = stage_latencies(committed, results["bench-relay"]["landed"],
                              results["bench-consumer"]["read"], claimed)
-    return Pipeline(lat, rss, missing=total - len(lat), stages_ms=stages)
+    first = min(committed.values(), default=0.0)
+    span = max(claimed.values(), default=0.0) - first
+    writing = max(committed.values(), default=0.0) - first
+    return Pipeline(lat, rss, missing=total - len(lat), stages_ms=stages,
+                    achieved=len(lat) / span if span > 0 else 0.0,
+                    produced=len(committed) / writing if writing > 0 else 0.0)
 
 
 def stage_latencies(

@@ -22,12 +22,14 @@ consumer's ``streams.read`` is wrapped to stamp when each ``XREADGROUP`` returne
 from __future__ import annotations
 
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 from sqlalchemy import Connection, Engine, event
 
+from bench import consumer_loop
 from bench.env import EVENT_TYPE, STREAM
 from outbox_relay.consumer import streams as consumer_streams
 from outbox_relay.consumer.daemon import Consumer
@@ -144,17 +146,21 @@ def _noop(_conn: Connection, _event: Event) -> None:
 
 def consumer_child(
     url: str, redis_url: str, prefix: str, partitions: int, batch: int, name: str,
-    ready: Any, start: Any, stop: Any, results: Any, record: bool,
+    ready: Any, start: Any, stop: Any, results: Any, record: bool, one_row: bool = False,
 ) -> None:
     """One consumer of group ``bench``; with ``record``, for every event id the time its
     ``XREADGROUP`` returned (with its stream key and entry id) and the time its claim
-    committed (stamped after the commit and the ``XACK``, in ``after_batch``)."""
+    committed (stamped after the commit and the ``XACK``, in ``after_batch``). ``one_row``:
+    its handler also writes one row per event (:func:`bench.consumer_loop.one_row_handler`,
+    table ``bench_effects``), as a real handler does."""
     claimed: dict[str, float] = {}
     read: dict[str, tuple[str, str, float]] = {}
     current: list[str] = []
 
-    def handler(_conn: Connection, event: Event) -> None:
+    def handler(conn: Connection, event: Event) -> None:
         current.append(event.id)
+        if one_row:
+            consumer_loop.one_row_handler(conn, event)
 
     def after_batch() -> None:  # runs after the claim transaction committed (and XACK)
         now = time.time()
@@ -209,22 +215,45 @@ def _stamp_reads(read: dict[str, tuple[str, str, float]]) -> None:
 
 def producer_child(
     url: str, prefix: str, partitions: int, rate: float, seconds: float,
-    ready: Any, start: Any, results: Any, notify: bool = True,
+    ready: Any, start: Any, results: Any, notify: bool = True, threads: int = 1,
 ) -> None:
-    """Enqueue at a steady ``rate`` for ``seconds``; one transaction per tick holds the events
-    due by then (one, at low rates); records each event's commit time (``time.time()``).
-    ``notify``: the producer's (``False``: no ``pg_notify``, relays poll)."""
+    """Enqueue at a steady ``rate`` for ``seconds``; records each event's commit time
+    (``time.time()``). ``notify``: the producer's (``False``: no ``pg_notify``, relays poll).
+
+    One thread (``threads`` 1): one transaction per tick holds the events due by then (one, at
+    low rates). Several: each thread is a request handler of its own, one event per
+    transaction, ``rate / threads`` each (the capacity sweep: what a service's writers offer).
+    """
     producer = Producer(source="bench", partitions=partitions, key_prefix=prefix,
                         notify=notify)
-    engine = db.make_engine(url)
+    engine = db.make_engine(url, pool_size=max(5, threads), max_overflow=0)
     with engine.connect():
         pass
     ready.put("producer")
     start.wait()
     committed: dict[str, float] = {}
-    t0 = time.monotonic()
-    made = 0
     total = int(rate * seconds)
+    if threads <= 1:
+        _produce(engine, producer, committed, range(total), rate, 100)
+    else:
+        workers = [threading.Thread(target=_produce, args=(
+            engine, producer, committed, range(i, total, threads), rate / threads, 1))
+            for i in range(threads)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+    results.put({"name": "producer", "committed": committed, "end": time.monotonic()})
+    engine.dispose()
+
+
+def _produce(engine: Engine, producer: Producer, committed: dict[str, float],
+             numbers: range, rate: float, per_txn: int) -> None:
+    """Enqueue the events numbered ``numbers`` at ``rate``, at most ``per_txn`` of those due
+    in one transaction; each commit time into ``committed`` (one dict for every thread: a
+    dict update is atomic under the GIL)."""
+    t0 = time.monotonic()
+    made, total = 0, len(numbers)
     while made < total:
         due = min(int((time.monotonic() - t0) * rate) + 1, total) - made
         if due <= 0:
@@ -232,7 +261,7 @@ def producer_child(
             continue
         ids = []
         with engine.begin() as conn:
-            for n in range(made, made + min(due, 100)):
+            for n in numbers[made:made + min(due, per_txn)]:
                 ids.append(producer.enqueue(
                     conn, type=EVENT_TYPE, stream=STREAM, data={"n": n},
                     aggregate_type="order", aggregate_id=f"order-{n}", revision=1,
@@ -240,5 +269,3 @@ def producer_child(
         now = time.time()
         committed.update(dict.fromkeys(ids, now))
         made += len(ids)
-    results.put({"name": "producer", "committed": committed, "end": time.monotonic()})
-    engine.dispose()

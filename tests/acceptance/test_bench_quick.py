@@ -30,11 +30,18 @@ def test_bench_tiny_writes_results_and_plots(tmp_path: Path) -> None:
         rows = figures["consumer_handlers"]["rows"]  # issue 23: against the hand-written loop
         assert set(rows) == {"loop", "no-op", "one-row", "batch", "async one-row"}
         assert rows["loop"]["ratio"] == 1.0 and all(r["median"] > 0 for r in rows.values())
+        sweep = figures["capacity"]  # issue 24: the sustained-rate sweep
+        assert set(sweep["rows"]) == {"200"} and sweep["threads"] == 2
+        row = sweep["rows"]["200"]
+        assert row["achieved"]["median"] > 0 and row["produced"]["median"] > 0
+        assert row["p50"]["median"] <= row["p99"]["median"]
+        assert sweep["capacity"] in (0, 200)
     assert {t["name"] for t in data["targets"]} >= {
         "postgresql consumer, one-row handler / hand-written loop",
         "postgresql consumer, batch handler / hand-written loop",
         "postgresql consumer, no-op handler / hand-written loop",
         "postgresql consumer, async one-row handler / hand-written loop",
+        "postgresql capacity, ev/s with p99 <= 100 ms",
     }
     assert data["memory"]["processes"].keys() == {"relay", "consumer"}
     assert {t["name"] for t in data["targets"]} >= {"RSS growth of relay (%)"}

@@ -83,7 +83,7 @@ class PrivateRedis:
         """``ACL SETUSER`` each documented role, its key pattern narrowed to ``prefix``."""
         admin, roles = self.admin(), {}
         for role, rules in documented_acl().items():
-            rules = rules.replace("~outbox:*", f"~{prefix}:*")
+            rules = rules.replace("~outbox:*", f"~{prefix}:*").replace("&outbox:*", f"&{prefix}:*")
             rules = re.sub(r">\S+", f">{role}-{SECRET}", rules)
             admin.execute_command("ACL", "SETUSER", f"outbox-{role}", "reset",
                                   *rule_words(rules))

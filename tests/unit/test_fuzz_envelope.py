@@ -20,7 +20,7 @@ from outbox_relay.shared.errors import InvalidEventError
 
 CODES = {
     "missing_field", "bad_specversion", "bad_json", "data_too_large", "bad_encoding",
-    "bad_revision", "empty_entry", "bad_field",
+    "bad_revision", "empty_entry", "bad_field", "non_finite_number",
 }
 MAX_DATA = 4096
 FUZZ = settings(max_examples=400, deadline=None, database=None,

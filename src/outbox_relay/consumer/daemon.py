@@ -41,6 +41,7 @@ from sqlalchemy import Connection, Engine
 from outbox_relay.consumer import (
     async_handlers,
     counters,
+    doorbell,
     group_status,
     inbox,
     letters,
@@ -100,6 +101,9 @@ class Consumer:
         # Entries above this are refused unread (consumer/streams.py); None: plain reads.
         self._entry_limit = (streams.entry_limit(settings.max_data_bytes)
                              if settings.bounded_reads else None)
+        # Bounded reads poll; the relay's doorbell wakes them (plain reads block in Redis).
+        self.bell = (doorbell.Doorbell(client)
+                     if settings.bounded_reads and settings.doorbell else None)
         ids = {keys.stream_key(settings.key_prefix, s, p): (s, p)
                for s in settings.stream_names() for p in range(settings.partitions)}
         self.keys = list(ids)
@@ -200,6 +204,8 @@ class Consumer:
             self._release_leases()  # first: other consumers take the partitions at once
             self.handlers.stop()  # the app's stop hooks (the run worker's), after the last batch
             async_handlers.close()  # this thread's async engine, when handlers are async
+            if self.bell is not None:
+                self.bell.close()
         log.info("consumer %s stopped: %s", self.name, self.stats,
                  extra={"consumer": self.name, "group": self.settings.group})
         return self.stats
@@ -244,12 +250,14 @@ class Consumer:
             if not handled:  # a pass is due at once; do not spin on it
                 self._stop.wait(0.01)
             return 0
+        if self.bell is not None:
+            self.bell.listen(ready)
         try:
             entries = streams.read(
                 self.client, dict.fromkeys(ready, ">"), self.settings.group, self.name,
                 count=self.settings.batch_size,
                 block_ms=self.settings.block_ms if block_ms is None else block_ms,
-                max_entry_bytes=self._entry_limit,
+                max_entry_bytes=self._entry_limit, bell=self.bell,
             )
         except UnavailableError:
             self._drain(ready, "read of unknown outcome")  # entries may have come to us

@@ -15,9 +15,10 @@ acknowledges it, and the partition goes on. Why a script: Redis has no command t
 a stream entry's size without its data (``MEMORY USAGE`` is per key, ``XINFO`` and ``XRANGE``
 return the fields), and an ``XREADGROUP`` sent by the client returns every entry whole. A
 script cannot block, so a read that would wait (``block_ms``) polls instead: it tries again
-after 1 ms, doubling up to :data:`POLL_MAX_S`, until ``block_ms`` has passed. What is bounded
-is the consumer (and the network): inside Redis the script holds a copy of the entry while it
-counts, memory Redis gives back as soon as the script returns.
+after 1 ms, doubling up to :data:`POLL_MAX_S`, until ``block_ms`` has passed; with the
+relay's doorbell (:mod:`consumer.doorbell`) a pause ends as soon as the relay appended.
+What is bounded is the consumer (and the network): inside Redis the script holds a copy of
+the entry while it counts, memory Redis gives back as soon as the script returns.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from typing import Any
 
 import redis
 
+from outbox_relay.consumer.doorbell import Doorbell
 from outbox_relay.shared import keys
 from outbox_relay.shared.envelope import DEFAULT_MAX_DATA_BYTES
 from outbox_relay.shared.errors import UnavailableError
@@ -131,14 +133,16 @@ def read(
     count: int,
     block_ms: int | None,
     max_entry_bytes: int | None = DEFAULT_MAX_ENTRY_BYTES,
+    bell: Doorbell | None = None,
 ) -> list[Entry]:
     """``XREADGROUP`` from ``{key: start}``: ``">"`` for new entries, an id for our own
     pending entries after it (their delivery counters come from ``XPENDING``). An entry
     larger than ``max_entry_bytes`` comes back with :class:`OversizedFields`, unread.
 
     With ``block_ms``, waits up to that long for entries (polling, see the module's
-    docstring). On Redis Cluster each partition stream lives in its own slot, and one script
-    may not name two slots (``CROSSSLOT``): one call per stream there.
+    docstring; with ``bell``, listening to the streams' doorbell between two tries:
+    :mod:`consumer.doorbell`). On Redis Cluster each partition stream lives in its own slot,
+    and one script may not name two slots (``CROSSSLOT``): one call per stream there.
 
     ``max_entry_bytes=None`` (``OUTBOX_BOUNDED_READS=false``): a plain ``XREADGROUP``, which
     blocks inside Redis (an entry arriving is read at once, an idle consumer sends nothing)
@@ -149,7 +153,7 @@ def read(
             entries = _read_whole(client, starts, group, consumer, count, block_ms)
         else:
             entries = _poll_bounded(client, starts, group, consumer, count, block_ms,
-                                    max_entry_bytes)
+                                    max_entry_bytes, bell)
     pending = any(start != ">" for start in starts.values())
     if pending and entries:
         return with_delivery_counts(client, group, consumer, entries)
@@ -158,9 +162,10 @@ def read(
 
 def _poll_bounded(
     client: redis.Redis, starts: dict[str, str], group: str, consumer: str, count: int,
-    block_ms: int | None, limit: int,
+    block_ms: int | None, limit: int, bell: Doorbell | None = None,
 ) -> list[Entry]:
-    """:func:`_read_bounded` until it returns entries or ``block_ms`` passed (polling)."""
+    """:func:`_read_bounded` until it returns entries or ``block_ms`` passed (polling; with
+    ``bell``, a ring ends a pause at once)."""
     deadline = time.monotonic() + (block_ms or 0) / 1000
     pause = POLL_FIRST_S
     while True:
@@ -168,8 +173,13 @@ def _poll_bounded(
         left = deadline - time.monotonic()
         if entries or left <= 0:
             return entries
-        time.sleep(min(pause, left))
-        pause = min(pause * 2, POLL_MAX_S)
+        if bell is None:
+            time.sleep(min(pause, left))
+            pause = min(pause * 2, POLL_MAX_S)
+        elif bell.wait(min(pause, left)):
+            pause = POLL_FIRST_S
+        else:
+            pause = min(pause * 2, bell.max_pause_s(POLL_MAX_S))
 
 
 def _read_whole(

@@ -47,7 +47,8 @@ log = logging.getLogger(__name__)
 # only)], ...], maxlen (0: none), floor (the newest id the outbox knows this stream holds, ''
 # when unknown: a stream whose last generated id is below it lost data, and nothing may be
 # appended above the hole before repair refills it, or consumers would read newer events
-# before older ones: BEHIND <top>).
+# before older ones: BEHIND <top>), the stream's appended channel (shared/keys.py: one
+# PUBLISH when anything was added, so idle consumers read at once; its failure is ignored).
 # Reply: {stream top behind a gap or '', one status per entry}. Each refused XADD is
 # checked with XRANGE id id: the same event already there (an earlier attempt of this batch
 # landed) is "already"; otherwise the script stops appending, and checks each remaining entry
@@ -92,6 +93,7 @@ if floor ~= nil and floor ~= '' then
 end
 local out = {''}
 local stopped = false
+local rang = false
 for i, entry in ipairs(entries) do
   local status
   if entry[3] then stopped = true end  -- check only: never appended, found if it landed
@@ -119,7 +121,9 @@ for i, entry in ipairs(entries) do
     end
   end
   out[i + 1] = status
+  if status == 'added' then rang = true end
 end
+if rang and ARGV[5] and ARGV[5] ~= '' then redis.pcall('PUBLISH', ARGV[5], '1') end
 return out
 """
 SCRIPT = fence.PRELUDE + _BODY
@@ -334,6 +338,7 @@ def _call_args(
         batch_json(sub, signer),
         maxlen,
         floor,
+        keys.appended_channel(keys.stream_key(prefix, first.stream, first.partition)),
     )
 
 

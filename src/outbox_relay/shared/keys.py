@@ -6,6 +6,8 @@ Redis Cluster they live in the same slot. With the default prefix ``outbox`` the
     outbox:{runs:0}          the stream of partition 0 of stream "runs"
     outbox:{runs:0}:dead     its dead-letter stream
     outbox:{runs:0}:fence    the relay fence: the highest lease epoch that wrote to the stream
+    outbox:{runs:0}:appended a Pub/Sub channel (not a key): the relay publishes on it when it
+                             appended to the stream, so idle consumers read at once
 
 ``redis-cli`` users: ``XRANGE 'outbox:{runs:0}' - +``, ``XINFO GROUPS 'outbox:{runs:0}'``.
 """
@@ -50,6 +52,13 @@ def fence_key(prefix: str, stream: str, partition: int) -> str:
     highest partition lease epoch that appended to (or repaired) that stream. Scripts that write
     the stream refuse a caller whose epoch is lower (``redis-cli GET 'outbox:{runs:0}:fence'``)."""
     return f"{stream_key(prefix, stream, partition)}:fence"
+
+
+def appended_channel(stream_key: str) -> str:
+    """The Pub/Sub channel on which the relay says "entries were appended to ``stream_key``"
+    (the message is ``1``; ``redis-cli SUBSCRIBE 'outbox:{runs:0}:appended'``). A doorbell only:
+    consumers read the stream for what is there, and still poll when no message comes."""
+    return f"{stream_key}:appended"
 
 
 def parse_stream_key(prefix: str, key: str) -> tuple[str, int] | None:

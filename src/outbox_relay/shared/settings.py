@@ -342,8 +342,13 @@ class ConsumerSettings(DaemonSettings, RetentionSettings):
     )
     bounded_reads: bool = Field(
         True, description="Refuse entries larger than max_data_bytes + 64 KiB unread (a read "
-        "script; an idle consumer polls every 1-20 ms). false: plain blocking XREADGROUP, "
-        "faster to see a new entry when idle, but an entry of any size is read whole.",
+        "script; an idle consumer polls, woken by the relay's doorbell). false: plain blocking "
+        "XREADGROUP, but an entry of any size is read whole.",
+    )
+    doorbell: bool = Field(
+        True, description="With bounded reads, wait on the streams' appended channels (Pub/Sub "
+        "SUBSCRIBE, published by the relay): a new entry is read at once and an idle consumer "
+        "polls every 250 ms. false (or when SUBSCRIBE fails): poll every 1-20 ms.",
     )
     redis_timeout_s: float = Field(
         10.0, gt=0, description="Socket timeout of Redis calls (must exceed block_ms)."
