@@ -25,7 +25,8 @@ The receipts go to the product's own ``outbox_inbox`` table (same primary key an
 consumer's), the effects to :data:`effects`, which the handlers compared with it write too:
 
 * ``one-row`` (:func:`one_row_handler`): ``Handlers.register(type, fn)``, one ``INSERT`` of one
-  row per event through the claim's connection, as a user's handler does;
+  row per event through the claim's connection, as a user's handler does (``one-row
+  unpipelined``: the same with ``Handlers(pipeline=False)``);
 * ``batch`` (:func:`batch_handler`): ``Handlers.register_batch(type, fn)``, all the claim's
   events of the type in one ``executemany`` insert;
 * ``no-op``: the bench's usual handler, nothing written (the claim's own cost).
@@ -58,8 +59,10 @@ effects = Table(
 )
 INSERT_EFFECT = insert(effects)  # built once: SQLAlchemy caches its compiled form
 
-VARIANTS = ("loop", "no-op", "one-row", "batch", "async one-row")
-"""The rows of the comparison, in the order of the first round (the second is reversed)."""
+VARIANTS = ("loop", "no-op", "one-row", "one-row unpipelined", "batch", "async one-row")
+"""The rows of the comparison, in the order of the first round (the second is reversed).
+``one-row unpipelined``: the one-row handler with ``Handlers(pipeline=False)`` (each insert
+waits for its result): what pipelining its inserts gains (consumer/pipelining.py)."""
 
 
 def create_effects(target: Target) -> None:
@@ -91,13 +94,13 @@ def batch_handler(conn: Connection, events: list[Event]) -> None:
 def handlers_for(variant: str, event_type: str) -> Handlers:
     """The registry of one compared row (``no-op``, ``one-row``, ``batch``,
     ``async one-row``)."""
-    handlers = Handlers()
+    handlers = Handlers(pipeline=variant != "one-row unpipelined")
     if variant == "batch":
         handlers.register_batch(event_type, batch_handler)
     elif variant == "async one-row":
         handlers.register(event_type, async_one_row_handler)
     else:
-        handlers.register(event_type, one_row_handler if variant == "one-row" else _noop)
+        handlers.register(event_type, _noop if variant == "no-op" else one_row_handler)
     return handlers
 
 

@@ -310,8 +310,9 @@ def _database_lines(r: dict[str, Any]) -> list[str]:
 
 
 HANDLER_NAMES = {"loop": "hand-written loop", "no-op": "ours, no-op handler",
-                 "one-row": "ours, one-row handler", "batch": "ours, batch handler",
-                 "async one-row": "ours, async one-row handler"}
+                 "one-row": "ours, one-row handler",
+                 "one-row unpipelined": "ours, one-row, pipeline=False",
+                 "batch": "ours, batch handler", "async one-row": "ours, async one-row handler"}
 
 
 def _handler_lines(h: dict[str, Any]) -> list[str]:

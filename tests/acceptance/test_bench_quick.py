@@ -28,7 +28,8 @@ def test_bench_tiny_writes_results_and_plots(tmp_path: Path) -> None:
     for figures in data["databases"].values():
         assert {"baseline", "relay", "consumer", "latency", "producer", "ceiling"} <= set(figures)
         rows = figures["consumer_handlers"]["rows"]  # issue 23: against the hand-written loop
-        assert set(rows) == {"loop", "no-op", "one-row", "batch", "async one-row"}
+        assert set(rows) == {"loop", "no-op", "one-row", "one-row unpipelined", "batch",
+                             "async one-row"}
         assert rows["loop"]["ratio"] == 1.0 and all(r["median"] > 0 for r in rows.values())
         sweep = figures["capacity"]  # issue 24: the sustained-rate sweep
         assert set(sweep["rows"]) == {"200"} and sweep["threads"] == 2
