@@ -21,6 +21,7 @@ def test_documented_names() -> None:
     assert keys.dead_letter_key("outbox", "runs", 0) == "outbox:{runs:0}:dead"
     assert keys.stream_key_pattern("outbox") == "outbox:{*}"
     assert keys.notify_channel("my-app.v2") == "my_app_v2_outbox"
+    assert keys.appended_channel("outbox:{runs:0}") == "outbox:{runs:0}:appended"
 
 
 @given(names, names, st.integers(min_value=0, max_value=1023))
@@ -28,6 +29,8 @@ def test_stream_and_dead_letters_share_a_cluster_slot(prefix: str, stream: str, 
     key = keys.stream_key(prefix, stream, p)
     dead = keys.dead_letter_key(prefix, stream, p)
     assert key_slot(key.encode()) == key_slot(dead.encode())
+    # The doorbell channel is under the prefix (the documented ACL grants ``&<prefix>:*``).
+    assert keys.appended_channel(key).startswith(f"{prefix}:")
     assert key_slot(key.encode()) == key_slot(f"{stream}:{p}".encode())
 
 
