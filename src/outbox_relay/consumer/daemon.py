@@ -57,7 +57,7 @@ from outbox_relay.consumer.retry import Retry
 from outbox_relay.consumer.streams import Entry
 from outbox_relay.shared import faults, keys, partition_counts
 from outbox_relay.shared.daemon_control import Backoff, stop_on_signals
-from outbox_relay.shared.db import now_ms
+from outbox_relay.shared.db import is_postgres, now_ms
 from outbox_relay.shared.errors import UnavailableError
 from outbox_relay.shared.periodic import Periodic, run_due
 from outbox_relay.shared.periodic import shutdown as shutdown_periodic
@@ -102,8 +102,13 @@ class Consumer:
         self._entry_limit = (streams.entry_limit(settings.max_data_bytes)
                              if settings.bounded_reads else None)
         # Bounded reads poll; the relay's doorbell wakes them (plain reads block in Redis).
+        # Not on SQLite: woken by the relay's append, every consumer of the streams would ask
+        # for the one write lock at the moment the relay settles that append (in the full
+        # torture the relays, starved, were never seen to try an append during a
+        # refuse_appends fault); polling spreads them out, as before the doorbell.
         self.bell = (doorbell.Doorbell(client)
-                     if settings.bounded_reads and settings.doorbell else None)
+                     if settings.bounded_reads and settings.doorbell and is_postgres(engine)
+                     else None)
         ids = {keys.stream_key(settings.key_prefix, s, p): (s, p)
                for s in settings.stream_names() for p in range(settings.partitions)}
         self.keys = list(ids)
