@@ -346,9 +346,10 @@ class ConsumerSettings(DaemonSettings, RetentionSettings):
         "XREADGROUP, but an entry of any size is read whole.",
     )
     doorbell: bool = Field(
-        True, description="With bounded reads, wait on the streams' appended channels (Pub/Sub "
-        "SUBSCRIBE, published by the relay): a new entry is read at once and an idle consumer "
-        "polls every 250 ms. false (or when SUBSCRIBE fails): poll every 1-20 ms.",
+        True, description="With bounded reads on PostgreSQL, wait on the streams' appended "
+        "channels (Pub/Sub SUBSCRIBE, published by the relay): a new entry is read at once and "
+        "an idle consumer polls every 250 ms. false, SQLite, or SUBSCRIBE failing: poll every "
+        "1-20 ms.",
     )
     redis_timeout_s: float = Field(
         10.0, gt=0, description="Socket timeout of Redis calls (must exceed block_ms)."
