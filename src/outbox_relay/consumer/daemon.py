@@ -102,10 +102,10 @@ class Consumer:
         self._entry_limit = (streams.entry_limit(settings.max_data_bytes)
                              if settings.bounded_reads else None)
         # Bounded reads poll; the relay's doorbell wakes them (plain reads block in Redis).
-        # Not on SQLite: woken by the relay's append, every consumer of the streams would ask
-        # for the one write lock at the moment the relay settles that append (in the full
-        # torture the relays, starved, were never seen to try an append during a
-        # refuse_appends fault); polling spreads them out, as before the doorbell.
+        # Not on SQLite, a precaution: woken by the relay's append, every consumer of the
+        # streams asks for the one write lock as the relay settles that append; polling
+        # spreads them out, as before the doorbell. (Suspected, not shown: the full torture's
+        # SQLite refuse_appends finding, docs/guarantees.md "Open", stayed without it.)
         self.bell = (doorbell.Doorbell(client)
                      if settings.bounded_reads and settings.doorbell and is_postgres(engine)
                      else None)

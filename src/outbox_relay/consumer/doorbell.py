@@ -10,9 +10,8 @@ when its append script added entries. A consumer subscribes to the channels of t
 reads, on a connection of its own, and waits on it between two reads: a message ends the wait
 at once, and while the doorbell works the pause grows to :data:`RING_POLL_MAX_S` instead.
 
-PostgreSQL consumers only (consumer/daemon.py): on SQLite every consumer the append woke asked
-for the one write lock just as the relay settled that append, and in the full torture the
-relays, starved of it, were never seen to try an append during a fault that needed them to.
+PostgreSQL consumers only (consumer/daemon.py), a precaution: on SQLite every consumer the
+append wakes asks for the one write lock just as the relay settles that append.
 
 Only a doorbell: the consumer reads the streams for what is there, whatever rang. Pub/Sub
 delivers at most once, so a message lost while the connection was down costs that entry at
