@@ -37,6 +37,14 @@ def next_message(pubsub: Any, timeout_s: float = 5.0) -> Any:
     return None
 
 
+def assert_no_ring_before_marker(client: redis.Redis, pubsub: Any, channel: str) -> None:
+    """Publish a marker after the call under test: the next message must be it (a ring the
+    call sent would come first: one server, one channel, in order). No wait for an absence."""
+    client.publish(channel, "marker")
+    message = next_message(pubsub)
+    assert message is not None and message["data"] == b"marker", message
+
+
 def test_the_relay_rings_once_per_append_that_added_entries(
     redis_client: redis.Redis, key_prefix: str
 ) -> None:
@@ -51,12 +59,12 @@ def test_the_relay_rings_once_per_append_that_added_entries(
     # The same batch again adds nothing (every entry is "already" there): no ring.
     again = append.append(redis_client, key_prefix, rows, epoch=1)
     assert again.already == 3
-    assert next_message(pubsub, 0.3) is None
+    assert_no_ring_before_marker(redis_client, pubsub, keys.appended_channel(key))
     # A fenced-out relay writes nothing and rings nothing.
     with pytest.raises(Exception, match="newer relay"):
         append.append(redis_client, key_prefix, [outbox_row(
             seq=9, event_id="o-9:order.placed:1", entry_id="1764000000999-0")], epoch=0)
-    assert next_message(pubsub, 0.3) is None
+    assert_no_ring_before_marker(redis_client, pubsub, keys.appended_channel(key))
     pubsub.close()
 
 
