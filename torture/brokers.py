@@ -93,8 +93,9 @@ class Probe(Protocol):
         """How many of ``entries`` (stream key: entry ids) the outbox marked delivered."""
         ...
 
-    def refused(self, event_ids: list[str]) -> int:
-        """How many of ``event_ids`` a relay tried to append and Redis refused."""
+    def oom_attempts(self) -> dict[int, int]:
+        """The undelivered outbox rows whose last append Redis refused for memory
+        (``last_error = 'redis_oom'``): ``{seq: attempts}``."""
         ...
 
 
@@ -189,15 +190,19 @@ class SingleRedis:
         refused = 0
         try:
             before = (_oom_errors(client), _failed_scripts(client))
+            refused_rows = self.probe.oom_attempts()
             client.config_set("maxmemory-policy", "noeviction")
             client.config_set("maxmemory", 1)
-            ids = self.probe.burst(self.stream_keys)
+            self.probe.burst(self.stream_keys)  # something to append, whatever the backlog
 
             def relay_refused() -> bool:
-                # A fresh row's refusal is recorded in the outbox; a retried batch's is not
-                # (the relay retries it under its ids): then a script refused with OOM (only
-                # the relay's scripts write with commands Redis refuses at maxmemory).
-                return bool(self.probe.refused(ids)) or (
+                # A refused XADD is recorded on the row it was for, the first of its batch
+                # (the rest are not appended): a row of a backlog ahead of the burst as well as
+                # a burst row. A refused retried batch is not recorded (the relay retries it
+                # under its ids): then Redis counted a script refused with OOM (only the
+                # relay's scripts write with commands Redis refuses at maxmemory).
+                now = self.probe.oom_attempts()
+                return any(n > refused_rows.get(seq, 0) for seq, n in now.items()) or (
                     _oom_errors(client) > before[0] and _failed_scripts(client) > before[1])
 
             deadline = time.monotonic() + REFUSAL_WAIT_S

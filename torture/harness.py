@@ -506,16 +506,17 @@ class LedgerProbe:
     def can_burst(self, stream_keys: list[str]) -> bool:
         return bool(self._partitions_among(stream_keys))
 
-    def refused(self, event_ids: list[str]) -> int:
-        """How many of ``event_ids`` a relay tried to append and Redis refused (undelivered,
-        with a failed attempt recorded in the outbox)."""
+    def oom_attempts(self) -> dict[int, int]:
+        """The undelivered rows whose last append Redis refused for memory: ``{seq:
+        attempts}`` (the relay records a refused ``XADD`` on its row, relay/store.py)."""
         try:
             with self.engine.connect() as conn:
-                return int(conn.execute(select(func.count()).select_from(outbox).where(
-                    outbox.c.event_id.in_(event_ids), outbox.c.delivered_at_ms.is_(None),
-                    outbox.c.attempts > 0)).scalar_one())
+                return {int(seq): int(n) for seq, n in conn.execute(
+                    select(outbox.c.seq, outbox.c.attempts).where(
+                        outbox.c.delivered_at_ms.is_(None),
+                        outbox.c.last_error == "redis_oom"))}
         except DBAPIError:
-            return 0  # the database is being broken too: ask again
+            return {}  # the database is being broken too: ask again
 
     def _partitions_among(self, stream_keys: list[str]) -> list[int]:
         """The partitions of stream ``events`` whose keys are among ``stream_keys``."""
