@@ -4,7 +4,6 @@ is byte for byte what ``json.dumps`` made of the fields of ``shared.envelope.enc
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from typing import Any
 
@@ -131,9 +130,9 @@ def test_a_check_only_row_carries_the_flag_the_script_stops_at(signed: bool) -> 
     """A retried row that must not overtake (relay/outgoing.py ``_overtakers``) reaches the
     script as ``[id, fields, 1]``; every other row as ``[id, fields]``, unchanged."""
     signer = Signer.from_setting("0123456789abcdef0123456789abcdef") if signed else None
-    rows = [_row(), dataclasses.replace(_row(), entry_id="2-2", check_only=True), _row()]
+    rows = [_row(), _row()._replace(entry_id="2-2", check_only=True), _row()]
     parsed = json.loads(batch_json(rows, signer))
     assert [len(e) for e in parsed] == [2, 3, 2]
     assert parsed[1][2] == 1
-    plain = json.loads(batch_json([dataclasses.replace(rows[1], check_only=False)], signer))
+    plain = json.loads(batch_json([rows[1]._replace(check_only=False)], signer))
     assert parsed[1][:2] == plain[0]

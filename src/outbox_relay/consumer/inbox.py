@@ -39,6 +39,7 @@ from sqlalchemy import (
     union_all,
 )
 from sqlalchemy.dialects import postgresql
+from sqlalchemy.engine import Dialect
 from sqlalchemy.sql import Select
 
 from outbox_relay.consumer import async_handlers, claim_writes
@@ -64,7 +65,7 @@ from outbox_relay.consumer.ordering import (
 )
 from outbox_relay.consumer.prune import entry_key, partition_of
 from outbox_relay.consumer.retry import REJECTED, RETRY_HORIZON, PermanentError, Retry
-from outbox_relay.shared.db import is_postgres, now_ms
+from outbox_relay.shared.db import DriverStatement, is_postgres, now_ms
 from outbox_relay.shared.db_errors import translate_errors
 from outbox_relay.shared.schema import consumer_retries, inbox, inbox_heads, stream_trims
 
@@ -142,7 +143,8 @@ def _claim_in(
     if check is not None:
         check(conn)
     if is_postgres(conn):
-        conn.execute(_lock_query(), {"b_keys": sorted({_lock_key(group, d) for d in batch})})
+        _locks(conn.dialect).execute(
+            conn, {"b_keys": sorted({_lock_key(group, d) for d in batch})})
     seen, heads, below, retries = _lookup(conn, group, batch)
     ledger = Ledger(seen, heads, blocked, below, retries, now_ms() if now is None else now)
     outcomes, ledger = decide_batch(conn, batch, ledger, handlers, group, retry)
@@ -216,7 +218,7 @@ def _lookup(
     heads: dict[AggregateKey, int] = {}
     floors: dict[tuple[str, int], str] = {}
     retries: dict[str, RetryState] = {}
-    for kind, a, b, c, fp, n in conn.execute(_lookup_query(), params):
+    for kind, a, b, c, fp, n in _lookup_statement(conn.dialect).execute(conn, params):
         if kind == "r":
             seen[a] = _receipt(b, c, fp)
         elif kind == "h":
@@ -253,6 +255,19 @@ def _floors(
     rows = conn.execute(select(stream_trims.c.stream, stream_trims.c.partition,
                                stream_trims.c.floor_entry_id).where(pair.in_(list(wanted))))
     return {(stream, partition): floor for stream, partition, floor in rows}
+
+
+@functools.cache
+def _locks(dialect: Dialect) -> DriverStatement:
+    """:func:`_lock_query` compiled once, its keys sent as one binary array."""
+    return DriverStatement(_lock_query(), dialect, binary=("b_keys",))
+
+
+@functools.cache
+def _lookup_statement(dialect: Dialect) -> DriverStatement:
+    """:func:`_lookup_query` compiled once, its arrays sent in binary."""
+    return DriverStatement(_lookup_query(), dialect,
+                           binary=("b_ids", "b_types", "b_aids", "b_streams", "b_parts"))
 
 
 @functools.cache

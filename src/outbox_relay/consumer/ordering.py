@@ -24,10 +24,11 @@ its own. For each delivery, in this order (design.md flow 3):
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from sqlalchemy import Connection, exc
 from sqlalchemy import exc as sa_exc
@@ -77,8 +78,7 @@ class Delivery:
         return fingerprint(self.event)
 
 
-@dataclass(frozen=True)
-class Outcome:
+class Outcome(NamedTuple):
     """What the claim decided for one delivery; ``failed`` and ``waiting`` ones stay pending.
 
     ``error``: the dead reason, the failing handler's error name, or for a ``duplicate`` of a
@@ -99,8 +99,7 @@ class Outcome:
     detail: str | None = None
 
 
-@dataclass(frozen=True)
-class RetryState:
+class RetryState(NamedTuple):
     """The durable retry row of one event (``outbox_consumer_retries``)."""
 
     attempts: int
@@ -108,8 +107,7 @@ class RetryState:
     next_ms: int
 
 
-@dataclass(frozen=True)
-class Receipt:
+class Receipt(NamedTuple):
     """What the claim knows of an event id's receipt: the reason of a ``dead`` one (else
     None) and its fingerprint (None for receipts written before fingerprints)."""
 
@@ -199,6 +197,9 @@ def decide_batch(
     the group's default policy for handlers registered without one (None, as in dead-letter
     replay: a failure of such a handler has no durable retry time and no horizon)."""
     default = retry
+    # Whether handlers run in trace spans, asked once per claim: while no tracer provider is
+    # set, OpenTelemetry's check reads the environment on every call.
+    spans = tracing.enabled()
     if len(batch) > 1:
         trial = ledger.copy()
         deferred = _Deferred()
@@ -206,7 +207,7 @@ def decide_batch(
             with conn.begin_nested(), pipelined(conn, handlers.pipeline) as pipe:
                 deferred.pipelined = pipe.on
                 outcomes = [_decide(conn, d, trial, handlers, False, group, default,
-                                    deferred=deferred) for d in batch]
+                                    deferred=deferred, spans=spans) for d in batch]
                 deferred.flush(conn)
                 try:
                     pipe.finish()
@@ -221,10 +222,11 @@ def decide_batch(
         handlers.take_after_commit(set())  # rolled back: every handler runs again
         return [
             _decide(conn, d, ledger, handlers, True, group, default,
-                    failed=failure.err if d is failure.delivery else None)
+                    failed=failure.err if d is failure.delivery else None, spans=spans)
             for d in batch
         ], ledger
-    return [_decide(conn, d, ledger, handlers, True, group, default) for d in batch], ledger
+    return [_decide(conn, d, ledger, handlers, True, group, default, spans=spans)
+            for d in batch], ledger
 
 
 def _decide(
@@ -237,6 +239,7 @@ def _decide(
     default: Retry | None,
     failed: Exception | None = None,
     deferred: _Deferred | None = None,
+    spans: bool = True,
 ) -> Outcome:
     """One delivery (see the module docstring); ``failed``: its handler already raised in
     this claim (the redo after the optimistic path), so it is not run again; ``deferred``
@@ -275,7 +278,7 @@ def _decide(
     if handler is None:
         ledger.seen[event.id] = Receipt(None, d.fingerprint)
         return Outcome(d, DEAD, "unknown_type")
-    err = _call(conn, d, handler, handlers, savepoints, group, failed, deferred, key)
+    err = _call(conn, d, handler, handlers, savepoints, group, failed, deferred, key, spans)
     if err is not None:
         return _failed(d, err, ledger, handlers.retry_for(event.type) or default, strict,
                        key, group)
@@ -287,7 +290,7 @@ def _decide(
 
 def _call(conn: Connection, d: Delivery, handler: Handler, handlers: Handlers,
           savepoints: bool, group: str, failed: Exception | None, deferred: _Deferred | None,
-          key: AggregateKey | None) -> Exception | None:
+          key: AggregateKey | None, spans: bool = True) -> Exception | None:
     """Run ``d``'s handler now (:func:`_run`), or put a batch handler's call off to the end
     of the optimistic path (``deferred``: the event is decided applied; if the call raises,
     the whole batch is redone one event at a time). The handler's failure, or None."""
@@ -300,7 +303,7 @@ def _call(conn: Connection, d: Delivery, handler: Handler, handlers: Handlers,
             return None
         deferred.before(conn, key)
     return _run(conn, d, handler, savepoints, group,
-                pipelined=deferred is not None and deferred.pipelined)
+                pipelined=deferred is not None and deferred.pipelined, spans=spans)
 
 
 def _failed(d: Delivery, err: Exception, ledger: Ledger, policy: Retry | None, strict: bool,
@@ -330,10 +333,10 @@ def _failed(d: Delivery, err: Exception, ledger: Ledger, policy: Retry | None, s
 
 def _run(
     conn: Connection, d: Delivery, handler: Handler, savepoints: bool, group: str,
-    pipelined: bool = False,
+    pipelined: bool = False, spans: bool = True,
 ) -> Exception | None:
-    """Run the handler (in a trace span, child of the producer's context when tracing is
-    on: :func:`shared.tracing.process_span`); its own failure, None when it succeeded.
+    """Run the handler (with ``spans``, in a trace span, child of the producer's context:
+    :func:`shared.tracing.process_span`); its own failure, None when it succeeded.
 
     Without savepoints (the optimistic path) a failure raises :class:`_HandlerFailed`; with
     ``pipelined`` inserts in flight a database error names no delivery (it may be an earlier
@@ -341,10 +344,11 @@ def _run(
     retried).
     """
     event = d.event
+    span = tracing.process_span(event.traceparent, event.tracestate, d.key, event.id,
+                                event.type, group) if spans else _NO_SPAN
     if not savepoints:
         try:
-            with tracing.process_span(event.traceparent, event.tracestate, d.key, event.id,
-                                      event.type, group):
+            with span:
                 handler(conn, event)
         except Exception as err:
             _raise_if_claim_lost(conn, err)
@@ -352,14 +356,15 @@ def _run(
             raise _HandlerFailed(d if known else None, err) from err
         return None
     try:
-        with conn.begin_nested(), tracing.process_span(
-            event.traceparent, event.tracestate, d.key, event.id, event.type, group
-        ):
+        with conn.begin_nested(), span:
             handler(conn, event)
     except Exception as err:  # the handler's own failure: only its savepoint rolls back
         _raise_if_claim_lost(conn, err)
         return err
     return None
+
+
+_NO_SPAN: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
 
 
 def _log_failure(d: Delivery, error: str, exc: BaseException | None, group: str,

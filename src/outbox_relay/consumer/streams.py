@@ -28,8 +28,7 @@ import logging
 import random
 import time
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import redis
 
@@ -98,8 +97,7 @@ class OversizedFields(dict[bytes, bytes]):
         self.limit = limit
 
 
-@dataclass(frozen=True)
-class Entry:
+class Entry(NamedTuple):
     """One stream entry as read, with how many times the group has delivered it."""
 
     key: str

@@ -41,6 +41,7 @@ from sqlalchemy import (
     update,
 )
 from sqlalchemy.dialects.postgresql import ARRAY
+from sqlalchemy.engine import Dialect
 
 from outbox_relay.relay import leases, stream_book
 from outbox_relay.relay.outgoing import (
@@ -51,7 +52,7 @@ from outbox_relay.relay.outgoing import (
     sendable,
     take_fresh,
 )
-from outbox_relay.shared.db import db_now_ms, is_postgres, json_recordset
+from outbox_relay.shared.db import DriverStatement, db_now_ms, is_postgres, json_recordset
 from outbox_relay.shared.db_errors import translate_errors
 from outbox_relay.shared.errors import LeaseLostError
 from outbox_relay.shared.schema import (
@@ -170,9 +171,12 @@ def _mark_delivered(
     prefix = _one_batch_prefix(pairs)
     if prefix is not None:
         seqs = [s for s, _ in pairs]
-        conn.execute(_mark_seqs_query(postgres),
-                     {"b_seqs": seqs if postgres else json.dumps(seqs), "b_prefix": prefix,
-                      "b_part": partition, "b_now": now})
+        if postgres:
+            _mark_seqs(conn.dialect).execute(conn, {"b_seqs": seqs, "b_prefix": prefix,
+                                                    "b_part": partition, "b_now": now})
+        else:
+            conn.execute(_mark_seqs_query(False), {"b_seqs": json.dumps(seqs), "b_prefix": prefix,
+                                                   "b_part": partition, "b_now": now})
         return
     if not postgres:
         conn.execute(_mark_query(False), {"b_pairs": json.dumps(pairs), "b_now": now})
@@ -195,6 +199,13 @@ def _one_batch_prefix(pairs: list[tuple[int, str]]) -> str | None:
         if entry_id != f"{prefix}{seq}":
             return None
     return prefix
+
+
+@functools.cache
+def _mark_seqs(dialect: Dialect) -> DriverStatement:
+    """:func:`_mark_seqs_query` on PostgreSQL, compiled once, the seqs sent as one binary
+    array (psycopg's text dumper formats each integer in Python)."""
+    return DriverStatement(_mark_seqs_query(True), dialect, binary=("b_seqs",))
 
 
 @functools.cache
