@@ -1,6 +1,9 @@
 """The torture's empty restart destroys something only repair can bring back (torture/brokers.py
 ``SingleRedis``): it counts, while Redis refuses every write, the stream entries the outbox had
-marked delivered, and does nothing (Redis left writable) when there are none.
+marked delivered, and does nothing (Redis left writable) when there are none. And its
+``refuse_appends`` fault counts as met only when an outbox row's refused attempts grew while
+Redis refused writes (a row of a backlog as well as of the burst), never on a refusal recorded
+before it.
 
 A private ``redis-server`` on a free port: the test kills and restarts it.
 """
@@ -43,6 +46,26 @@ class MarkedProbe:
 
     def lacked(self, replica: redis.Redis, keys: list[str]) -> int:
         raise AssertionError("a single Redis has no replica")
+
+    def oom_attempts(self) -> dict[int, int]:
+        raise AssertionError("not a refuse_appends test")
+
+
+class RefusalProbe(MarkedProbe):
+    """A ledger stand-in for ``refuse_appends``: the rows refused for memory, as a relay would
+    leave them, after each question (the last answer repeats)."""
+
+    def __init__(self, answers: list[dict[int, int]]) -> None:
+        super().__init__(set())
+        self.answers = answers
+        self.bursts = 0
+
+    def burst(self, keys: list[str]) -> list[str]:
+        self.bursts += 1
+        return ["burst1-0"]
+
+    def oom_attempts(self) -> dict[int, int]:
+        return self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
 
 
 @pytest.fixture
@@ -88,3 +111,29 @@ def test_marked_entries_are_counted_then_destroyed(
     fresh = server.client()
     assert fresh.exists(KEYS[0], KEYS[1], "p:other") == 0
     fresh.set("writable", "1")
+
+
+@pytest.mark.parametrize(("answers", "met"), [
+    # a backlog row ahead of the burst (seq 7) refused while the fault lasts: met
+    ([{}, {7: 1}], True),
+    # a row refused by an earlier fault, retried and refused again: met
+    ([{7: 2}, {7: 3}], True),
+    # only the earlier fault's refusal, unchanged: not met
+    ([{7: 2}], False),
+    # nothing refused: not met
+    ([{}], False),
+])
+def test_a_refusal_is_met_only_when_refused_attempts_grow(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, answers: list[dict[int, int]], met: bool
+) -> None:
+    monkeypatch.setattr("torture.brokers.REFUSAL_WAIT_S", 0.3)
+    probe = RefusalProbe(answers)
+    broker = SingleRedis(tmp_path, KEYS, probe, stall_s=(0.01, 0.02))
+    try:
+        assert broker.inflict("redis.refuse_appends", random.Random(1), _noop) is True
+        assert probe.bursts == 1
+        assert bool(broker.refused) is met
+        assert broker.unmet == (0 if met else 1)
+        broker.client().set("writable", "1")  # the limit is lifted either way
+    finally:
+        broker.stop()
