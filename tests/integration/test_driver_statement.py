@@ -48,3 +48,14 @@ def test_a_binary_name_the_statement_lacks_is_refused(engine: Engine) -> None:
         return
     with pytest.raises(ValueError, match="b_y"):
         DriverStatement(query, engine.dialect, binary=("b_y",))
+
+
+def test_only_psycopg_3_gets_binary_placeholders() -> None:
+    """psycopg2 (SQLAlchemy's default driver for ``postgresql://``) has no ``%b``: its
+    statement stays as compiled."""
+    from sqlalchemy.dialects.postgresql import psycopg as pg3
+    from sqlalchemy.dialects.postgresql import psycopg2 as pg2
+
+    query = select(func.unnest(bindparam("b_values", type_=postgresql.ARRAY(BigInteger))))
+    assert "%(b_values)b" in DriverStatement(query, pg3.dialect(), binary=("b_values",)).sql
+    assert "%(b_values)s" in DriverStatement(query, pg2.dialect(), binary=("b_values",)).sql

@@ -285,7 +285,7 @@ class DriverStatement:
     def __init__(self, statement: Any, dialect: Dialect, binary: tuple[str, ...] = ()) -> None:
         compiled = statement.compile(dialect=dialect)
         sql = str(compiled)
-        if dialect.driver.startswith("psycopg"):
+        if dialect.driver == "psycopg":  # psycopg 3, sync or async (not psycopg2: no %b)
             for name in binary:
                 placeholder = f"%({name})s"
                 if placeholder not in sql:
