@@ -93,9 +93,10 @@ class Probe(Protocol):
         """How many of ``entries`` (stream key: entry ids) the outbox marked delivered."""
         ...
 
-    def oom_attempts(self) -> dict[int, int]:
+    def oom_attempts(self) -> dict[int, int] | None:
         """The undelivered outbox rows whose last append Redis refused for memory
-        (``last_error = 'redis_oom'``): ``{seq: attempts}``."""
+        (``last_error = 'redis_oom'``): ``{seq: attempts}``; None when the outbox could not be
+        read (the database is being broken too)."""
         ...
 
 
@@ -185,12 +186,16 @@ class SingleRedis:
         attempt), then for a stall's length; then takes writes again. The relay must back off
         and deliver everything after (the verdict requires its refusal lines). When no relay
         was refused within :data:`REFUSAL_WAIT_S`, the try is counted as unmet (the verdict
-        needs at least one met) and the loop goes on: a failed try costs one short wait."""
+        needs at least one met) and the loop goes on: a failed try costs one short wait.
+        Nothing is done (False) when the outbox cannot be read first: without the rows refused
+        before, a refusal of an earlier fault would pass for one of this fault."""
+        refused_rows = self.probe.oom_attempts()
+        if refused_rows is None:
+            return False
         client = self.server.client()
         refused = 0
         try:
             before = (_oom_errors(client), _failed_scripts(client))
-            refused_rows = self.probe.oom_attempts()
             client.config_set("maxmemory-policy", "noeviction")
             client.config_set("maxmemory", 1)
             self.probe.burst(self.stream_keys)  # something to append, whatever the backlog
@@ -201,7 +206,7 @@ class SingleRedis:
                 # a burst row. A refused retried batch is not recorded (the relay retries it
                 # under its ids): then Redis counted a script refused with OOM (only the
                 # relay's scripts write with commands Redis refuses at maxmemory).
-                now = self.probe.oom_attempts()
+                now = self.probe.oom_attempts() or {}  # unreadable now: ask again
                 return any(n > refused_rows.get(seq, 0) for seq, n in now.items()) or (
                     _oom_errors(client) > before[0] and _failed_scripts(client) > before[1])
 

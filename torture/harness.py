@@ -506,9 +506,10 @@ class LedgerProbe:
     def can_burst(self, stream_keys: list[str]) -> bool:
         return bool(self._partitions_among(stream_keys))
 
-    def oom_attempts(self) -> dict[int, int]:
+    def oom_attempts(self) -> dict[int, int] | None:
         """The undelivered rows whose last append Redis refused for memory: ``{seq:
-        attempts}`` (the relay records a refused ``XADD`` on its row, relay/store.py)."""
+        attempts}`` (the relay records a refused ``XADD`` on its row, relay/store.py); None
+        when the database does not answer."""
         try:
             with self.engine.connect() as conn:
                 return {int(seq): int(n) for seq, n in conn.execute(
@@ -516,7 +517,7 @@ class LedgerProbe:
                         outbox.c.delivered_at_ms.is_(None),
                         outbox.c.last_error == "redis_oom"))}
         except DBAPIError:
-            return {}  # the database is being broken too: ask again
+            return None  # the database is being broken too: ask again
 
     def _partitions_among(self, stream_keys: list[str]) -> list[int]:
         """The partitions of stream ``events`` whose keys are among ``stream_keys``."""

@@ -47,7 +47,7 @@ class MarkedProbe:
     def lacked(self, replica: redis.Redis, keys: list[str]) -> int:
         raise AssertionError("a single Redis has no replica")
 
-    def oom_attempts(self) -> dict[int, int]:
+    def oom_attempts(self) -> dict[int, int] | None:
         raise AssertionError("not a refuse_appends test")
 
 
@@ -55,7 +55,7 @@ class RefusalProbe(MarkedProbe):
     """A ledger stand-in for ``refuse_appends``: the rows refused for memory, as a relay would
     leave them, after each question (the last answer repeats)."""
 
-    def __init__(self, answers: list[dict[int, int]]) -> None:
+    def __init__(self, answers: list[dict[int, int] | None]) -> None:
         super().__init__(set())
         self.answers = answers
         self.bursts = 0
@@ -64,7 +64,7 @@ class RefusalProbe(MarkedProbe):
         self.bursts += 1
         return ["burst1-0"]
 
-    def oom_attempts(self) -> dict[int, int]:
+    def oom_attempts(self) -> dict[int, int] | None:
         return self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
 
 
@@ -122,6 +122,8 @@ def test_marked_entries_are_counted_then_destroyed(
     ([{7: 2}], False),
     # nothing refused: not met
     ([{}], False),
+    # the outbox unreadable now and then during the fault: asked again, met once it answers
+    ([{}, None, {7: 1}], True),
 ])
 def test_a_refusal_is_met_only_when_refused_attempts_grow(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, answers: list[dict[int, int]], met: bool
@@ -135,5 +137,19 @@ def test_a_refusal_is_met_only_when_refused_attempts_grow(
         assert bool(broker.refused) is met
         assert broker.unmet == (0 if met else 1)
         broker.client().set("writable", "1")  # the limit is lifted either way
+    finally:
+        broker.stop()
+
+
+def test_no_refusal_fault_without_the_rows_refused_before(tmp_path: Path) -> None:
+    """When the outbox cannot be read first, nothing is done (Redis never limited): an
+    earlier fault's refusal could not be told from one of this fault."""
+    probe = RefusalProbe([None])
+    broker = SingleRedis(tmp_path, KEYS, probe, stall_s=(0.01, 0.02))
+    try:
+        assert broker.inflict("redis.refuse_appends", random.Random(1), _noop) is False
+        assert probe.bursts == 0
+        assert broker.refused == [] and broker.unmet == 0
+        assert broker.client().config_get("maxmemory")["maxmemory"] == "0"
     finally:
         broker.stop()
