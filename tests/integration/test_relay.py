@@ -312,6 +312,35 @@ def test_fenced_out_relay_cannot_mark_and_its_late_xadd_does_not_duplicate(
     assert_all_marked(engine, redis_client, key_prefix)
 
 
+def test_a_settle_fenced_out_changes_no_row_of_its_batch_and_the_others_commit(
+    engine: Engine, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    """A round settles two partitions' batches in one transaction; one was taken over
+    meanwhile: its settle is refused and leaves every row of its batch as it was (no id,
+    attempt, time or error written) while the other partition's rows are marked, in the same
+    commit. On PostgreSQL the fence and the mark are one statement (relay/store.py
+    ``_fenced_mark``): this is what gates its mark on its fence."""
+    enqueue_events(engine, 24, aggregates=8)
+    old = acquire_leases(engine, "old", PARTITIONS, TTL)
+    stolen, kept = 1, 2
+    batches = {p: store.take_batch(engine, p, "old", old[p], 100, TTL) for p in (stolen, kept)}
+    verdicts = {p: append.append(redis_client, key_prefix, rows, old[p])
+                for p, rows in batches.items()}
+    assert all(v.delivered for v in verdicts.values())
+    expire_lease(engine, stolen)
+    assert list(acquire_leases(engine, "new", PARTITIONS, TTL)) == [stolen]
+    before = [r for r in outbox_rows(engine) if r.partition == stolen]
+
+    lost = store.settle_batches(engine, "old", TTL, [
+        store.Settlement(p, old[p], verdicts[p].delivered, [], []) for p in (stolen, kept)])
+
+    assert lost == [stolen]
+    assert [r for r in outbox_rows(engine) if r.partition == stolen] == before
+    assert before and all(r.delivered_at_ms is None and r.attempts == 0 for r in before)
+    marked = [r for r in outbox_rows(engine) if r.partition == kept]
+    assert marked and all(r.delivered_at_ms is not None for r in marked)
+
+
 def claim_three(engine: Engine) -> tuple[list[str], int, int, list[outgoing.OutboxRow]]:
     """Enqueue three events of one aggregate and claim them as relay "a": (ids, partition,
     epoch, rows)."""

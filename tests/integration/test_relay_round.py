@@ -49,7 +49,10 @@ def fenced_transactions(engine: Engine) -> list[list[str]]:
 
 
 def is_fence(statement: str) -> bool:
-    return statement.startswith("UPDATE outbox_relay_leases") and "RETURNING" in statement
+    """The fence alone, or (PostgreSQL's settle) the fence and the mark in one statement."""
+    fused = statement.startswith("WITH fence AS (UPDATE outbox_relay_leases")
+    alone = statement.startswith("UPDATE outbox_relay_leases") and "RETURNING" in statement
+    return fused or alone
 
 
 def relay_holding_everything(engine: Engine, client: redis.Redis, prefix: str) -> Relay:

@@ -309,19 +309,14 @@ def append(
     with span, translate_redis_errors():
         answers = _run(client, calls)
         for (key, sub), answer in zip(subs.items(), answers, strict=True):
-            _classify(sub, answer, verdicts)
-            if not isinstance(answer, Exception):
-                _raise_floor(floors, key, [r.entry_id for r in sub], verdicts)
+            newest = _classify(sub, answer, verdicts)
+            if newest is not None:
+                _raise_floor(floors, key, newest)
     return verdicts
 
 
-def _raise_floor(floors: dict[str, str], key: str, ids: list[str], verdicts: Verdicts) -> None:
-    """Raise ``floors[key]`` to the newest id of ``ids`` that Redis now holds."""
-    held = {entry_id for _seq, entry_id in verdicts.delivered}
-    landed = [i for i in ids if i in held]
-    if not landed:
-        return
-    newest = max(landed, key=entry_ids.parse)
+def _raise_floor(floors: dict[str, str], key: str, newest: str) -> None:
+    """Raise ``floors[key]`` to ``newest``, an id Redis now holds, unless it is above it."""
     if key not in floors or entry_ids.greater(newest, floors[key]):
         floors[key] = newest
 
@@ -372,15 +367,20 @@ def _evalsha(client: redis.Redis, args: tuple[Any, ...]) -> Any:
         return err
 
 
-def _classify(sub: list[OutboxRow], answer: Any, verdicts: Verdicts) -> None:
+def _classify(sub: list[OutboxRow], answer: Any, verdicts: Verdicts) -> str | None:
+    """Add one stream's rows to ``verdicts`` by the script's answer; return the newest id of
+    them Redis holds (None: none). ``sub`` is in id order (:func:`append`), so that is the
+    last row held: no id is parsed."""
     if isinstance(answer, Exception):
         _refused_call(sub, answer, verdicts)
-        return
+        return None
+    newest: str | None = None
     top, *statuses = (a.decode() if isinstance(a, bytes) else str(a) for a in answer)
     for row, status in zip(sub, statuses, strict=True):
         if status in ("added", "already"):
             verdicts.delivered.append((row.seq, row.entry_id))
             verdicts.already += status == "already"
+            newest = row.entry_id
         elif status == "not_appended":
             verdicts.not_appended.append(row.seq)
         elif status == "gap":
@@ -395,6 +395,7 @@ def _classify(sub: list[OutboxRow], answer: Any, verdicts: Verdicts) -> None:
             log.debug("append of event %s failed: %s", row.event_id, code,
                         extra={**_fields_of(row), "error": code})
             verdicts.failed.append((row.seq, code))
+    return newest
 
 
 def _fields_of(row: OutboxRow) -> dict[str, object]:

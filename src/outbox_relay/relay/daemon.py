@@ -412,7 +412,8 @@ class Relay:
         (``inflight``: the batch appended meanwhile). A batch that did not land whole drops
         every recorded batch (the one taken after it was never appended)."""
         s = self.settings
-        new_streams = {(r.stream, r.partition) for r in rows} - self._streams_seen
+        new_streams = {(stream, partition) for stream in {r.stream for r in rows}}
+        new_streams -= self._streams_seen
         taken = store.settle(
             self.engine, partition, self.node_id, epoch, s.lease_ttl_ms,
             delivered=verdicts.delivered, gaps=verdicts.gaps, failed=verdicts.failed,

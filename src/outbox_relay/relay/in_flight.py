@@ -35,10 +35,12 @@ def append_batch(
                              relay.repairer.floors, relay.repairer.signer)
     if relay.metrics is not None:
         relay.metrics.appended(len(rows), verdicts, time.perf_counter() - started)
-    confirmed = not verdicts.delivered or append.durability_barrier(
-        relay.client, s.wait_replicas, s.wait_timeout_ms, s.wait_aof,
-        sorted({keys.stream_key(s.key_prefix, r.stream, r.partition) for r in rows}),
-    )
+    if not verdicts.delivered or not (s.wait_replicas > 0 or s.wait_aof):
+        return verdicts, True  # no barrier asked: the keys are not even looked at
+    written = sorted({keys.stream_key(s.key_prefix, stream, partition)
+                      for stream, partition in {(r.stream, r.partition) for r in rows}})
+    confirmed = append.durability_barrier(
+        relay.client, s.wait_replicas, s.wait_timeout_ms, s.wait_aof, written)
     return verdicts, confirmed
 
 

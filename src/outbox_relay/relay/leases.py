@@ -163,6 +163,26 @@ def _lease_held(postgres: bool) -> Any:
     return select(relay_leases.c.partition).where(*_ours_bound(postgres))
 
 
+@functools.cache
+def fence_cte() -> Any:
+    """The steady fence of :func:`fence` as a PostgreSQL CTE named ``fence`` (its columns:
+    ``last_entry_id``, ``inflight``, ``now_ms``), for a statement that writes only when the
+    fence passes, in the same round trip (:func:`relay.store._settle`). Parameters:
+    :func:`lease_params`."""
+    return (
+        update(relay_leases).where(*_ours_bound(True))
+        .values(expires_at_ms=_new_expiry(True))
+        .returning(relay_leases.c.last_entry_id, relay_leases.c.inflight,
+                   db_now_ms(True).label("now_ms"))
+        .cte("fence")
+    )
+
+
+def lease_params(partition: int, node_id: str, epoch: int, ttl_ms: int) -> dict[str, Any]:
+    """The parameters of :func:`fence_cte` (and of the fence's other forms)."""
+    return _lease_params(partition, node_id, epoch, ttl_ms)
+
+
 def fence(
     conn: Connection, partition: int, node_id: str, epoch: int, ttl_ms: int,
     *, idle_skip: bool = False,
