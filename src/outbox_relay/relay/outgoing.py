@@ -37,6 +37,7 @@ from sqlalchemy.dialects import postgresql
 
 from outbox_relay.relay import entry_ids
 from outbox_relay.shared.db import is_postgres
+from outbox_relay.shared.last_write import LastWrite
 from outbox_relay.shared.schema import outbox, relay_leases
 
 
@@ -223,8 +224,10 @@ def take_fresh(
     inflight: Sequence[int] = (),
     force_write: bool = False,
     waiting: frozenset[str] = frozenset(),
+    last_write: LastWrite | None = None,
 ) -> list[OutboxRow]:
-    """Select a new batch after the recorded ones and record it (one lease-row write).
+    """Select a new batch after the recorded ones and record it (one lease-row write: the
+    transaction's last, sent unawaited with ``last_write``, :mod:`shared.last_write`).
 
     The record is the batch's runs of consecutive sendable rows, all under one ``ms``: a row
     held back splits a run, so a retry of the record (:func:`recorded_rows`) never includes it.
@@ -241,7 +244,7 @@ def take_fresh(
         batches = [*batches, *(Batch(first, end, ms) for first, end in runs)]
         new_last = entry_ids.format_id(ms, runs[-1][1])
     if rows or force_write:
-        record(conn, partition, epoch, batches, new_last)
+        record(conn, partition, epoch, batches, new_last, last_write)
     if not rows:
         return []
     ms = batches[-1].ms
@@ -371,9 +374,13 @@ def _json_seqs(postgres: bool) -> Any:
 
 
 def record(
-    conn: Connection, partition: int, epoch: int, batches: list[Batch], last: str
+    conn: Connection, partition: int, epoch: int, batches: list[Batch], last: str,
+    last_write: LastWrite | None = None,
 ) -> None:
-    """Write the lease row's batch record and last assigned entry id (the caller fenced it)."""
+    """Write the lease row's batch record and last assigned entry id (the caller fenced it);
+    with ``last_write``, as the transaction's last statement, not waited for."""
+    if last_write is not None:
+        last_write.send()
     conn.execute(_record_query(), {"b_part": partition, "b_epoch": epoch,
                                    "b_inflight": _dump_batches(batches), "b_last": last})
 
