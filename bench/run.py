@@ -29,6 +29,7 @@ from typing import Any
 
 from bench import consumer_loop, env, producers, report, scenarios, topologies
 from bench.baseline import PHASES, redis_ceiling
+from outbox_relay.shared import gc_pace
 from torture.redis_sets import TopologyError, TopologyUnsupported
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -496,6 +497,9 @@ def _say(kind: str) -> Callable[[str], None]:
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     cfg = configure(args)
+    # The in-process rows (the baselines, the relay, the consumers and their loop) run with
+    # the collector paced as `outbox relay` and `outbox consume` pace it (shared/gc_pace.py).
+    gc_pace.pace()
     default = TINY_SCENARIOS if args.tiny else SCENARIOS
     only = set(args.only.split(",")) if args.only else set(default)
     if unknown := only - set(SCENARIOS):

@@ -38,7 +38,7 @@ from outbox_relay.producer import Producer
 from outbox_relay.relay import append as relay_append
 from outbox_relay.relay import entry_ids
 from outbox_relay.relay.daemon import Relay
-from outbox_relay.shared import db, keys
+from outbox_relay.shared import db, gc_pace, keys
 from outbox_relay.shared.envelope import Event
 from outbox_relay.shared.redis_conn import connect_redis
 from outbox_relay.shared.settings import ConsumerSettings, RelaySettings
@@ -95,6 +95,7 @@ def relay_child(
         "database_url": url, "redis_url": redis_url, "key_prefix": prefix,
         "partitions": partitions, "batch_size": batch, "node_id": node_id,
     })
+    gc_pace.pace(settings.gc_threshold)  # as `outbox relay` runs
     engine = db.make_engine(url)
     cpu = CpuMeter(engine)
     relay = Relay(settings, engine, connect_redis(redis_url))
@@ -153,6 +154,7 @@ def consumer_child(
     committed (stamped after the commit and the ``XACK``, in ``after_batch``). ``one_row``:
     its handler also writes one row per event (:func:`bench.consumer_loop.one_row_handler`,
     table ``bench_effects``), as a real handler does."""
+    gc_pace.pace()  # as `outbox consume` runs (OUTBOX_GC_THRESHOLD's default)
     claimed: dict[str, float] = {}
     read: dict[str, tuple[str, str, float]] = {}
     current: list[str] = []

@@ -379,6 +379,7 @@ def test_pipeline_over_tls_with_acl_users(private_redis: PrivateRedis, engine: E
 def test_tls_url_options(private_redis: PrivateRedis) -> None:
     _need_tls(private_redis)
     s, certs = private_redis, private_redis.certs
+    s.load_roles("outbox")  # its users, whichever test of the module ran before
     ok = [
         s.url("operator", tls=True, query=f"?ssl_ca_certs={certs['ca.pem']}"),
         s.url("operator", tls=True, query=f"?ssl_ca_certs={certs['ca.pem']}"

@@ -26,7 +26,7 @@ from outbox_relay.relay.daemon import Relay
 from outbox_relay.runs import Runs
 from outbox_relay.runs import schema as runs_schema
 from outbox_relay.runs.settings import RunSettings, ServeSettings, WorkerSettings
-from outbox_relay.shared import db
+from outbox_relay.shared import db, gc_pace
 from outbox_relay.shared.errors import (
     CannotConnectError,
     ConfigError,
@@ -85,6 +85,7 @@ def cmd_relay(args: argparse.Namespace) -> int:
         lambda: _daemon_redis(settings.redis_url, settings.redis_timeout_s),
         "connecting to Redis", settings.startup_timeout_s)
     relay = Relay(settings, engine, client)
+    gc_pace.pace(settings.gc_threshold)
     retention.register_relay(relay, settings)  # periodic task "retention"
     relay.install_signal_handlers()
     from outbox_relay.cli import observe  # here: prometheus_client is not every command's cost
@@ -111,6 +112,7 @@ def cmd_consume(args: argparse.Namespace) -> int:
         lambda: _daemon_redis(settings.redis_url, settings.redis_timeout_s),
         "connecting to Redis", patience)
     consumer = Consumer(settings, engine, client, handlers, ownership=True)
+    gc_pace.pace(settings.gc_threshold)
     hygiene.install(consumer)  # periodic task "group hygiene"
     retention.register_consumer(consumer, settings)  # periodic task "retention"
     consumer.install_signal_handlers()
