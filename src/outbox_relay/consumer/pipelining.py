@@ -27,13 +27,15 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, suppress
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import psycopg
 from sqlalchemy import Connection, Engine, event
-from sqlalchemy import exc as sa_exc
 
+from outbox_relay.shared import psycopg_driver
 from outbox_relay.shared.db import is_postgres
+
+if TYPE_CHECKING:
+    import psycopg
 
 # id() of a psycopg connection in pipeline mode -> its pipeline. Read by the cursor hook of
 # every statement of an engine that pipelined once; a dict lookup when the connection is not.
@@ -63,7 +65,7 @@ def pipelined(conn: Connection, enabled: bool = True) -> Iterator[Pipelined]:
     ``enabled``; yield a :class:`Pipelined` (off otherwise). Call its ``finish()`` at the end
     of the block; leaving the block by an exception drops whatever was still in flight
     (the caller rolls the savepoint back), quietly: the driver's text never reaches a log."""
-    raw = _driver(conn) if enabled and is_postgres(conn) else None
+    raw = psycopg_driver.connection_of(conn) if enabled and is_postgres(conn) else None
     if raw is None:
         yield Pipelined(None)
         return
@@ -77,24 +79,16 @@ def pipelined(conn: Connection, enabled: bool = True) -> Iterator[Pipelined]:
         _ACTIVE.pop(id(raw), None)
         # Read the results in flight (their errors are the redo's to find again) and leave
         # pipeline mode; the exception being raised says more (a lost connection raises again).
-        with suppress(psycopg.Error):
+        with suppress(psycopg_driver.error_type()):
             pipeline.sync()
-        with suppress(psycopg.Error):
+        with suppress(psycopg_driver.error_type()):
             manager.__exit__(None, None, None)
         raise
     _ACTIVE.pop(id(raw), None)
     try:
         manager.__exit__(None, None, None)
-    except psycopg.Error as err:
-        raise _translated(err) from err
-
-
-def _driver(conn: Connection) -> psycopg.Connection[Any] | None:
-    try:
-        raw = conn.connection.driver_connection
-    except sa_exc.SQLAlchemyError:
-        return None
-    return raw if isinstance(raw, psycopg.Connection) else None
+    except psycopg_driver.error_type() as err:
+        raise psycopg_driver.translated(err) from err
 
 
 def _listen(engine: Engine) -> None:
@@ -130,12 +124,5 @@ literal, a second row: not plain, the statement waits — slower, never wrong)."
 def _sync(pipeline: psycopg.Pipeline) -> None:
     try:
         pipeline.sync()
-    except psycopg.Error as err:
-        raise _translated(err) from err
-
-
-def _translated(err: psycopg.Error) -> sa_exc.DBAPIError:
-    """The SQLAlchemy error SQLAlchemy itself raises for ``err`` (IntegrityError, …)."""
-    wrapped = sa_exc.DBAPIError.instance(None, None, err, psycopg.Error)
-    assert isinstance(wrapped, sa_exc.DBAPIError)
-    return wrapped
+    except psycopg_driver.error_type() as err:
+        raise psycopg_driver.translated(err) from err

@@ -18,19 +18,21 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, suppress
-from typing import Any
+from typing import TYPE_CHECKING
 
-import psycopg
 from sqlalchemy import Connection, Engine
-from sqlalchemy import exc as sa_exc
+
+from outbox_relay.shared import psycopg_driver
+
+if TYPE_CHECKING:
+    import psycopg
 
 
 class LastWrite:
     """The switch of one transaction (:func:`begin_with_last_write`)."""
 
     def __init__(self, conn: Connection) -> None:
-        raw = _psycopg(conn)
-        self._raw = raw
+        self._raw = psycopg_driver.connection_of(conn)
         self._manager: AbstractContextManager[psycopg.Pipeline] | None = None
 
     def send(self) -> None:
@@ -48,14 +50,13 @@ class LastWrite:
         if manager is None:
             return
         if failed:
-            with suppress(psycopg.Error):
+            with suppress(psycopg_driver.error_type()):
                 manager.__exit__(None, None, None)
             return
         try:
             manager.__exit__(None, None, None)
-        except psycopg.Error as err:
-            wrapped = sa_exc.DBAPIError.instance(None, None, err, psycopg.Error)
-            raise wrapped from err
+        except psycopg_driver.error_type() as err:
+            raise psycopg_driver.translated(err) from err
 
 
 @contextmanager
@@ -73,10 +74,3 @@ def begin_with_last_write(engine: Engine) -> Iterator[tuple[Connection, LastWrit
             raise
         last.close(failed=False)
 
-
-def _psycopg(conn: Connection) -> psycopg.Connection[Any] | None:
-    try:
-        raw = conn.connection.driver_connection
-    except sa_exc.SQLAlchemyError:
-        return None
-    return raw if isinstance(raw, psycopg.Connection) else None

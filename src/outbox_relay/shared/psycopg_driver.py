@@ -1,0 +1,61 @@
+"""psycopg when it is installed, and the psycopg connection under a SQLAlchemy one.
+
+Why a module: the PostgreSQL driver is an extra (``outbox-relay[postgres]``); a SQLite-only
+install has no psycopg, and must still import every module, run ``outbox`` and the daemons.
+Whatever uses psycopg's own features (pipeline mode: :mod:`shared.last_write`,
+:mod:`consumer.pipelining`) asks here, and gets None where no psycopg connection can exist.
+"""
+
+from __future__ import annotations
+
+import functools
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import Connection
+from sqlalchemy import exc as sa_exc
+
+if TYPE_CHECKING:
+    import psycopg
+
+
+@functools.cache
+def module() -> ModuleType | None:
+    """``psycopg``, or None when it is not installed (asked once)."""
+    try:
+        import psycopg
+    except ImportError:
+        return None
+    return psycopg
+
+
+class _NeverRaised(Exception):
+    """What :func:`error_type` answers without psycopg: no psycopg error can be raised then."""
+
+
+def error_type() -> type[Exception]:
+    """``psycopg.Error``, for an ``except`` clause that must also compile without psycopg."""
+    pg = module()
+    return _NeverRaised if pg is None else pg.Error
+
+
+def connection_of(conn: Connection) -> psycopg.Connection[Any] | None:
+    """The sync psycopg connection under ``conn``; None for any other driver (SQLite,
+    psycopg's async connection), a closed connection, or when psycopg is not installed."""
+    pg = module()
+    if pg is None:
+        return None
+    try:
+        raw = conn.connection.driver_connection
+    except sa_exc.SQLAlchemyError:
+        return None
+    return raw if isinstance(raw, pg.Connection) else None
+
+
+def translated(err: Exception) -> sa_exc.DBAPIError:
+    """The SQLAlchemy error SQLAlchemy itself raises for the psycopg error ``err``
+    (``IntegrityError``, ``OperationalError`` …): what a statement run through SQLAlchemy
+    would have raised, so callers judge it the same way."""
+    wrapped = sa_exc.DBAPIError.instance(None, None, err, error_type())
+    assert isinstance(wrapped, sa_exc.DBAPIError)
+    return wrapped
