@@ -65,7 +65,7 @@ def pipelined(conn: Connection, enabled: bool = True) -> Iterator[Pipelined]:
     ``enabled``; yield a :class:`Pipelined` (off otherwise). Call its ``finish()`` at the end
     of the block; leaving the block by an exception drops whatever was still in flight
     (the caller rolls the savepoint back), quietly: the driver's text never reaches a log."""
-    raw = psycopg_driver.connection_of(conn) if enabled and is_postgres(conn) else None
+    raw = psycopg_driver.pipelining_connection(conn) if enabled and is_postgres(conn) else None
     if raw is None:
         yield Pipelined(None)
         return

@@ -37,7 +37,6 @@ from sqlalchemy.dialects import postgresql
 
 from outbox_relay.relay import entry_ids
 from outbox_relay.shared.db import is_postgres
-from outbox_relay.shared.last_write import LastWrite
 from outbox_relay.shared.schema import outbox, relay_leases
 
 
@@ -224,10 +223,8 @@ def take_fresh(
     inflight: Sequence[int] = (),
     force_write: bool = False,
     waiting: frozenset[str] = frozenset(),
-    last_write: LastWrite | None = None,
 ) -> list[OutboxRow]:
-    """Select a new batch after the recorded ones and record it (one lease-row write: the
-    transaction's last, sent unawaited with ``last_write``, :mod:`shared.last_write`).
+    """Select a new batch after the recorded ones and record it (one lease-row write).
 
     The record is the batch's runs of consecutive sendable rows, all under one ``ms``: a row
     held back splits a run, so a retry of the record (:func:`recorded_rows`) never includes it.
@@ -244,7 +241,7 @@ def take_fresh(
         batches = [*batches, *(Batch(first, end, ms) for first, end in runs)]
         new_last = entry_ids.format_id(ms, runs[-1][1])
     if rows or force_write:
-        record(conn, partition, epoch, batches, new_last, last_write)
+        record(conn, partition, epoch, batches, new_last)
     if not rows:
         return []
     ms = batches[-1].ms
@@ -374,13 +371,9 @@ def _json_seqs(postgres: bool) -> Any:
 
 
 def record(
-    conn: Connection, partition: int, epoch: int, batches: list[Batch], last: str,
-    last_write: LastWrite | None = None,
+    conn: Connection, partition: int, epoch: int, batches: list[Batch], last: str
 ) -> None:
-    """Write the lease row's batch record and last assigned entry id (the caller fenced it);
-    with ``last_write``, as the transaction's last statement, not waited for."""
-    if last_write is not None:
-        last_write.send()
+    """Write the lease row's batch record and last assigned entry id (the caller fenced it)."""
     conn.execute(_record_query(), {"b_part": partition, "b_epoch": epoch,
                                    "b_inflight": _dump_batches(batches), "b_last": last})
 

@@ -58,7 +58,6 @@ from outbox_relay.relay.outgoing import (
 from outbox_relay.shared.db import DriverStatement, db_now_ms, is_postgres, json_recordset
 from outbox_relay.shared.db_errors import translate_errors
 from outbox_relay.shared.errors import LeaseLostError
-from outbox_relay.shared.last_write import LastWrite, begin_with_last_write
 from outbox_relay.shared.schema import (
     outbox,
 )
@@ -106,10 +105,9 @@ def take_batch(
     after a refusal, relay/refusals.py) are not taken. The lease is fenced and extended by the
     database's clock (:func:`relay.leases.fence`).
     """
-    with translate_errors(), begin_with_last_write(engine) as (conn, last_write):
+    with translate_errors(), engine.begin() as conn:
         return _take(conn, partition, node_id, epoch, batch_size, ttl_ms,
-                     after_seq=after_seq, inflight=inflight, waiting=waiting,
-                     last_write=last_write)
+                     after_seq=after_seq, inflight=inflight, waiting=waiting)
 
 
 def take_batches(
@@ -143,17 +141,15 @@ def take_batches(
 def _take(
     conn: Connection, partition: int, node_id: str, epoch: int, batch_size: int, ttl_ms: int,
     *, after_seq: int | None = None, inflight: Sequence[int] = (),
-    waiting: frozenset[str] = frozenset(), last_write: LastWrite | None = None,
+    waiting: frozenset[str] = frozenset(),
 ) -> list[OutboxRow]:
-    """The body of :func:`take_batch`, in the caller's transaction (``last_write``: the
-    chain's take, whose record is its last statement)."""
+    """The body of :func:`take_batch`, in the caller's transaction."""
     if after_seq is not None:
         lease = leases.fence(conn, partition, node_id, epoch, ttl_ms)
         assert lease is not None
         last, batches, db_now = lease
         return take_fresh(conn, partition, epoch, batch_size, db_now, last, batches,
-                          after_seq=after_seq, inflight=inflight, waiting=waiting,
-                          last_write=last_write)
+                          after_seq=after_seq, inflight=inflight, waiting=waiting)
     found = leases.fence(conn, partition, node_id, epoch, ttl_ms, idle_skip=True)
     if found is None:
         return []
@@ -312,10 +308,9 @@ def settle(
     """
     outcome = Settlement(partition, epoch, delivered, gaps, failed, stream_top, register,
                          drop_recorded)
-    with translate_errors(), begin_with_last_write(engine) as (conn, last_write):
+    with translate_errors(), engine.begin() as conn:
         return _settle(conn, outcome, node_id, ttl_ms, take_after=take_after,
-                       batch_size=batch_size, inflight=inflight, waiting=waiting,
-                       last_write=last_write)
+                       batch_size=batch_size, inflight=inflight, waiting=waiting)
 
 
 @dataclass(frozen=True)
@@ -351,11 +346,10 @@ def settle_batches(
 def _settle(
     conn: Connection, o: Settlement, node_id: str, ttl_ms: int, *,
     take_after: int | None = None, batch_size: int = 0, inflight: Sequence[int] = (),
-    waiting: frozenset[str] = frozenset(), last_write: LastWrite | None = None,
+    waiting: frozenset[str] = frozenset(),
 ) -> list[OutboxRow]:
     """The body of :func:`settle`, in the caller's transaction. Rows are marked delivered (and
-    streams registered) at the database's clock the fence returned: the relay has one clock.
-    The record of the lease row is the last statement (sent unawaited with ``last_write``)."""
+    streams registered) at the database's clock the fence returned: the relay has one clock."""
     partition, epoch = o.partition, o.epoch
     fused = _fence_and_mark(conn, o, node_id, ttl_ms)
     if fused is not None:
@@ -380,11 +374,11 @@ def _settle(
     through = max([s for s, _ in o.delivered] + o.gaps + [s for s, _ in o.failed], default=-1)
     batches = [] if o.drop_recorded else [b for b in batches if b.first_seq > through]
     if take_after is None:
-        record(conn, partition, epoch, batches, last, last_write)
+        record(conn, partition, epoch, batches, last)
         return []
     return take_fresh(conn, partition, epoch, batch_size, db_now, last, batches,
                       after_seq=take_after, inflight=inflight, force_write=True,
-                      waiting=waiting, last_write=last_write)
+                      waiting=waiting)
 
 
 def _fence_and_mark(

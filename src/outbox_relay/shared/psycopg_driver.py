@@ -2,8 +2,8 @@
 
 Why a module: the PostgreSQL driver is an extra (``outbox-relay[postgres]``); a SQLite-only
 install has no psycopg, and must still import every module, run ``outbox`` and the daemons.
-Whatever uses psycopg's own features (pipeline mode: :mod:`shared.last_write`,
-:mod:`consumer.pipelining`) asks here, and gets None where no psycopg connection can exist.
+Whatever uses psycopg's own features (pipeline mode: :mod:`consumer.pipelining`) asks here,
+and gets None where no psycopg connection can exist or the feature is missing.
 """
 
 from __future__ import annotations
@@ -39,11 +39,19 @@ def error_type() -> type[Exception]:
     return _NeverRaised if pg is None else pg.Error
 
 
-def connection_of(conn: Connection) -> psycopg.Connection[Any] | None:
-    """The sync psycopg connection under ``conn``; None for any other driver (SQLite,
-    psycopg's async connection), a closed connection, or when psycopg is not installed."""
+@functools.cache
+def _pipeline_supported() -> bool:
     pg = module()
-    if pg is None:
+    return pg is not None and bool(pg.Pipeline.is_supported())
+
+
+def pipelining_connection(conn: Connection) -> psycopg.Connection[Any] | None:
+    """The sync psycopg connection under ``conn`` when it can enter pipeline mode; None for
+    any other driver (SQLite, psycopg's async connection), a closed connection, a libpq older
+    than 14 (psycopg would raise ``NotSupportedError``, its own text, on entering), or when
+    psycopg is not installed."""
+    pg = module()
+    if pg is None or not _pipeline_supported():
         return None
     try:
         raw = conn.connection.driver_connection
