@@ -154,7 +154,6 @@ def consumer_child(
     committed (stamped after the commit and the ``XACK``, in ``after_batch``). ``one_row``:
     its handler also writes one row per event (:func:`bench.consumer_loop.one_row_handler`,
     table ``bench_effects``), as a real handler does."""
-    gc_pace.pace()  # as `outbox consume` runs (OUTBOX_GC_THRESHOLD's default)
     claimed: dict[str, float] = {}
     read: dict[str, tuple[str, str, float]] = {}
     current: list[str] = []
@@ -177,6 +176,7 @@ def consumer_child(
         "partitions": partitions, "streams": STREAM, "group": "bench", "consumer": name,
         "batch_size": batch, "block_ms": 20,
     })
+    gc_pace.pace(settings.gc_threshold)  # as `outbox consume` runs
     engine = db.make_engine(url)
     cpu = CpuMeter(engine)
     if record:

@@ -37,8 +37,8 @@ def append_batch(
         relay.metrics.appended(len(rows), verdicts, time.perf_counter() - started)
     if not verdicts.delivered or not (s.wait_replicas > 0 or s.wait_aof):
         return verdicts, True  # no barrier asked: the keys are not even looked at
-    written = sorted({keys.stream_key(s.key_prefix, stream, partition)
-                      for stream, partition in {(r.stream, r.partition) for r in rows}})
+    streams = {(r.stream, r.partition) for r in rows}
+    written = sorted(keys.stream_key(s.key_prefix, stream, p) for stream, p in streams)
     confirmed = append.durability_barrier(
         relay.client, s.wait_replicas, s.wait_timeout_ms, s.wait_aof, written)
     return verdicts, confirmed

@@ -101,12 +101,12 @@ def take_free_lease(engine: Engine, partition: int, node_id: str, ttl_ms: int) -
 
 def _check_lease(conn: Connection, partition: int, node_id: str, epoch: int, ttl_ms: int) -> None:
     result = conn.execute(_renew_query(is_postgres(conn)),
-                          _lease_params(partition, node_id, epoch, ttl_ms))
+                          lease_params(partition, node_id, epoch, ttl_ms))
     if result.rowcount != 1:
         raise LeaseLostError(f"partition {partition} is no longer ours (epoch {epoch})")
 
 
-def _lease_params(partition: int, node_id: str, epoch: int, ttl_ms: int) -> dict[str, Any]:
+def lease_params(partition: int, node_id: str, epoch: int, ttl_ms: int) -> dict[str, Any]:
     """The parameters of :func:`_ours_bound` (and of the lease's new expiry, the database's
     clock plus ``b_ttl``: :func:`_new_expiry`)."""
     return {"b_part": partition, "b_node": node_id, "b_epoch": epoch, "b_ttl": ttl_ms}
@@ -115,7 +115,7 @@ def _lease_params(partition: int, node_id: str, epoch: int, ttl_ms: int) -> dict
 def _ours_bound(postgres: bool) -> tuple[Any, ...]:
     """The lease row of partition ``b_part`` as long as node ``b_node`` holds it at epoch
     ``b_epoch`` (the fence) and it has not expired by the database's clock
-    (:func:`_lease_params`). Not by the relay host's clock: a host whose clock runs ahead of
+    (:func:`lease_params`). Not by the relay host's clock: a host whose clock runs ahead of
     another's by more than the TTL would see that relay's lease as expired (issue #25)."""
     return (
         relay_leases.c.partition == bindparam("b_part", type_=Integer),
@@ -126,7 +126,7 @@ def _ours_bound(postgres: bool) -> tuple[Any, ...]:
 
 
 def _new_expiry(postgres: bool) -> Any:
-    """A renewed lease's expiry: the database's clock plus ``b_ttl`` (:func:`_lease_params`),
+    """A renewed lease's expiry: the database's clock plus ``b_ttl`` (:func:`lease_params`),
     the clock every relay host compares it with."""
     return db_now_ms(postgres) + bindparam("b_ttl", type_=BigInteger)
 
@@ -137,7 +137,7 @@ def _fence_query(postgres: bool, idle_skip: bool) -> Any:
     it in every take and settle, and building and cache-keying the fence, mark and record
     statements on each call took 15-20 % of the relay thread's profile (SQLAlchemy memoizes
     the cache key of a statement object it sees again; a new object is keyed anew, a tree
-    walk). Parameters: :func:`_lease_params`."""
+    walk). Parameters: :func:`lease_params`."""
     stmt = update(relay_leases).where(*_ours_bound(postgres))
     if idle_skip:
         pending = sendable(bindparam("b_part", type_=Integer), db_now_ms(postgres), None)
@@ -159,7 +159,7 @@ def _renew_query(postgres: bool) -> Any:
 @functools.cache
 def _lease_held(postgres: bool) -> Any:
     """Whether the lease is ours (a read), built once per dialect; parameters:
-    :func:`_lease_params`."""
+    :func:`lease_params`."""
     return select(relay_leases.c.partition).where(*_ours_bound(postgres))
 
 
@@ -176,11 +176,6 @@ def fence_cte() -> Any:
                    db_now_ms(True).label("now_ms"))
         .cte("fence")
     )
-
-
-def lease_params(partition: int, node_id: str, epoch: int, ttl_ms: int) -> dict[str, Any]:
-    """The parameters of :func:`fence_cte` (and of the fence's other forms)."""
-    return _lease_params(partition, node_id, epoch, ttl_ms)
 
 
 def fence(
@@ -203,7 +198,7 @@ def fence(
     for whatever else the transaction timestamps (``delivered_at_ms``), so the relay has one.
     """
     postgres = is_postgres(conn)
-    params = _lease_params(partition, node_id, epoch, ttl_ms)
+    params = lease_params(partition, node_id, epoch, ttl_ms)
     found = conn.execute(_fence_query(postgres, idle_skip), params).first()
     if found is not None:
         return str(found[0]), load_batches(found[1]), int(found[2])
