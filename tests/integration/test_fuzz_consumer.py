@@ -22,7 +22,7 @@ from sqlalchemy import Connection, Engine, select
 from outbox_relay.consumer import Handlers
 from outbox_relay.consumer.daemon import Consumer
 from outbox_relay.shared import keys
-from outbox_relay.shared.envelope import Event
+from outbox_relay.shared.envelope import Event, fingerprint
 from outbox_relay.shared.errors import InvalidEventError
 from outbox_relay.shared.schema import inbox
 from outbox_relay.shared.settings import ConsumerSettings
@@ -75,8 +75,14 @@ def drain(consumer: Consumer, client: redis.Redis, key: str, last_id: bytes) -> 
 def check_records(
     engine: Engine, client: redis.Redis, prefix: str, written: list[tuple[bytes, Fields]]
 ) -> Counter[str]:
-    """The oracle: what the parser says about each entry must be on record."""
+    """The oracle: what the parser says about each entry must be on record.
+
+    An event id written again (a mutated entry's id is drawn from a few values, so two
+    examples can share one) is settled by its first entry's receipt: with the same fingerprint
+    it is a duplicate, with another one it must be dead-lettered ``conflicting_duplicate`` —
+    exactly then, the only case in which its letter's reason is not the type's."""
     seen: Counter[str] = Counter()
+    first: dict[str, str] = {}  # event id -> fingerprint of its first valid entry
     letters = {
         fields[b"dlq.entry_id"]: fields
         for _id_, fields in client.xrange(keys.dead_letter_key(prefix, STREAM, 0))
@@ -97,6 +103,16 @@ def check_records(
             continue
         outcome = receipts.get(event.id)
         assert outcome is not None, f"valid entry {entry_id!r} has no inbox receipt"
+        if event.id in first:
+            if first[event.id] != fingerprint(event):
+                letter = letters.get(entry_id)
+                assert letter is not None, f"conflicting entry {entry_id!r} has no dead letter"
+                assert letter[b"dlq.reason"] == b"conflicting_duplicate"
+                seen["dead_conflicting_duplicate"] += 1
+            else:
+                seen["duplicate"] += 1
+            continue
+        first[event.id] = fingerprint(event)
         if event.type not in ("fuzz.ok", "fuzz.boom") and outcome == "dead":
             assert letters[entry_id][b"dlq.reason"] == b"unknown_type"
         if event.type == "fuzz.boom" and outcome == "dead":
@@ -186,6 +202,22 @@ def test_malformed_entries_are_recorded_never_dropped(
     FIGURES["entries"] += len(written)
     FIGURES["examples"] += 30
     print(f"\nfuzz figures so far: {dict(FIGURES)}; consumer stats {consumer.stats}")
+
+
+def test_an_id_written_again_with_other_content_is_on_record_as_conflicting(
+    consumer: Consumer, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    """What the fuzzer can draw (two entries sharing an id), pinned: the oracle accepts the
+    second entry's ``conflicting_duplicate`` letter because its fingerprint differs, and a
+    third with the first's content is a plain duplicate."""
+    key = keys.stream_key(key_prefix, STREAM, 0)
+    unknown = _valid("fuzz.unknown")
+    other = unknown | {b"type": b"fuzz.other"}
+    written = [(redis_client.xadd(key, f), f)  # type: ignore[arg-type]
+               for f in (unknown, other, unknown)]
+    drain(consumer, redis_client, key, written[-1][0])
+    seen = check_records(consumer.engine, redis_client, key_prefix, written)
+    assert seen == {"receipt_dead": 1, "dead_conflicting_duplicate": 1, "duplicate": 1}
 
 
 CASES: list[tuple[str, dict[bytes, bytes], str]] = [
