@@ -335,10 +335,11 @@ def test_a_settle_fenced_out_changes_no_row_of_its_batch_and_the_others_commit(
     assert taker == "old" or list(won) == [stolen]
     before = [r for r in outbox_rows(engine) if r.partition == stolen]
 
-    lost = store.settle_batches(engine, "old", TTL, [
-        store.Settlement(p, old[p], verdicts[p].delivered, [], []) for p in (stolen, kept)])
+    lost, taken = store.settle_batches(engine, "old", TTL, [
+        store.Settlement(p, old[p], verdicts[p].delivered, [], []) for p in (stolen, kept)],
+        take=frozenset({stolen, kept}), batch_size=100)
 
-    assert lost == [stolen]
+    assert lost == [stolen] and taken == {}  # nothing left to take in either
     assert [r for r in outbox_rows(engine) if r.partition == stolen] == before
     assert before and all(r.delivered_at_ms is None and r.attempts == 0 for r in before)
     marked = [r for r in outbox_rows(engine) if r.partition == kept]

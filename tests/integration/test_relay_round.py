@@ -1,5 +1,6 @@
 """A relay round over several partitions: one take and one settle transaction for all of them,
-and a partition fenced out in either leaves the others delivered and itself intact."""
+and a partition fenced out in either leaves the others delivered and itself intact; the
+settle also takes the rows committed while the round appended, for the next round."""
 
 from __future__ import annotations
 
@@ -7,18 +8,20 @@ from typing import Any
 
 import pytest
 import redis
-from sqlalchemy import Engine, event
+from sqlalchemy import Engine, event, select
 
-from outbox_relay.relay import append, store
+from outbox_relay.relay import append, outgoing, store
 from outbox_relay.relay.daemon import Relay
 from outbox_relay.relay.leases import acquire_leases
 from outbox_relay.shared.errors import LeaseLostError
+from outbox_relay.shared.schema import relay_leases
 from tests.helpers import (
     PARTITIONS,
     assert_all_marked,
     assert_each_once,
     enqueue_events,
     expire_lease,
+    lease_owners,
     outbox_rows,
     relay_settings,
     undelivered,
@@ -128,4 +131,101 @@ def test_a_partition_fenced_out_after_its_append_is_left_to_its_new_owner_by_id(
     assert stats.already_present == len(left)  # retried under the ids "a" appended them with
     assert undelivered(engine) == 0
     assert_each_once(redis_client, key_prefix, ids)
+    assert_all_marked(engine, redis_client, key_prefix)
+
+
+def committing_during_the_first_append(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch, count: int
+) -> list[str]:
+    """Make the next append commit ``count`` more events first (after the round's take, before
+    its settle); the returned list fills with their ids."""
+    real, ids = append.append, []
+
+    def commit_then_append(*args: Any, **kwargs: Any) -> append.Verdicts:
+        if not ids:
+            ids.extend(enqueue_events(engine, count, aggregates=8, first=1000))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(append, "append", commit_then_append)
+    return ids
+
+
+
+def recorded_ids(engine: Engine) -> dict[tuple[int, int], str]:
+    """``(partition, seq)`` → the entry id a batch recorded on the partition's lease row
+    (taken, not settled) gives it; a batch's seq range also spans other partitions' seqs."""
+    with engine.connect() as conn:
+        rows = conn.execute(select(relay_leases.c.partition, relay_leases.c.inflight)).all()
+    return {(p, seq): f"{b.ms}-{seq}" for p, text in rows for b in outgoing.load_batches(text)
+            for seq in range(b.first_seq, b.last_seq + 1)}
+
+
+def pending_seqs(engine: Engine) -> set[tuple[int, int]]:
+    return {(r.partition, r.seq) for r in outbox_rows(engine) if r.delivered_at_ms is None}
+
+
+def test_rows_committed_while_a_round_appends_are_taken_by_its_settle_for_the_next_round(
+    engine: Engine, redis_client: redis.Redis, key_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ids = enqueue_events(engine, 24, aggregates=8)
+    later = committing_during_the_first_append(engine, monkeypatch, 16)
+    relay = relay_holding_everything(engine, redis_client, key_prefix)
+    transactions = fenced_transactions(engine)
+
+    assert relay.run_once()  # busy: its settle took the rows committed meanwhile
+    assert relay.stats.delivered == 24 and len(later) == 16
+    fenced = [t for t in transactions if any(is_fence(s) for s in t)]
+    assert len(fenced) == 2 and any(s.startswith("SELECT") for s in fenced[1])
+    taken = recorded_ids(engine)
+    assert set(taken) >= pending_seqs(engine) and len(pending_seqs(engine)) == 16
+    transactions.clear()
+
+    busy = relay.run_once()
+
+    fenced = [t for t in transactions if any(is_fence(s) for s in t)]
+    assert len(fenced) == 1  # no take transaction: the settle's only (which finds no more)
+    assert not busy and relay.stats.delivered == 40
+    assert all(r.entry_id == taken[r.partition, r.seq] for r in outbox_rows(engine)
+               if r.event_id in later)  # appended under the ids the settle recorded
+    assert_each_once(redis_client, key_prefix, ids + later)
+    assert_all_marked(engine, redis_client, key_prefix)
+    assert recorded_ids(engine) == {}
+
+
+def test_a_batch_a_settle_took_is_retried_by_id_when_its_relay_dies_before_appending_it(
+    engine: Engine, redis_client: redis.Redis, key_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ids = enqueue_events(engine, 24, aggregates=8)
+    later = committing_during_the_first_append(engine, monkeypatch, 16)
+    relay = relay_holding_everything(engine, redis_client, key_prefix)
+    assert relay.run_once()
+    taken = recorded_ids(engine)
+    assert set(taken) >= pending_seqs(engine) and pending_seqs(engine)
+    monkeypatch.undo()
+    for partition in range(PARTITIONS):  # "a" died holding them; "b" takes over
+        expire_lease(engine, partition)
+
+    Relay(relay_settings(key_prefix, node_id="b"), engine, redis_client).run(until_idle=True)
+
+    assert all(r.entry_id == taken[r.partition, r.seq] for r in outbox_rows(engine)
+               if r.event_id in later)
+    assert_each_once(redis_client, key_prefix, ids + later)
+    assert_all_marked(engine, redis_client, key_prefix)
+
+
+def test_a_stopping_relay_sends_what_its_last_settle_took(
+    engine: Engine, redis_client: redis.Redis, key_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ids = enqueue_events(engine, 24, aggregates=8)
+    later = committing_during_the_first_append(engine, monkeypatch, 16)
+    relay = relay_holding_everything(engine, redis_client, key_prefix)
+    assert relay.run_once()
+    assert pending_seqs(engine)
+
+    relay.stop()  # the loop runs no round, and still sends the batches taken
+    relay.run(until_idle=True)
+
+    assert undelivered(engine) == 0 and recorded_ids(engine) == {}
+    assert lease_owners(engine) == dict.fromkeys(range(PARTITIONS))  # released
+    assert_each_once(redis_client, key_prefix, ids + later)
     assert_all_marked(engine, redis_client, key_prefix)

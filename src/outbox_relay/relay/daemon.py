@@ -5,9 +5,11 @@ A round visits the partitions we hold (on PostgreSQL, those notified since the l
 :func:`relay.append.append` per partition (one script call per stream, fenced by the lease
 epoch in Redis, no transaction open) → optional durability barrier →
 :func:`relay.store.settle_batches` marks them all in one short transaction, fenced per
-partition. A partition whose batch came back full has a backlog: it goes on in a chain of its
-own (:meth:`Relay.relay_partition`), where :func:`relay.store.settle` settles a batch and takes
-the one after the batch in flight in the same transaction.
+partition, and takes each clean partition's next rows for the next round (those committed
+while the round appended go out without a take transaction of their own: a steady trickle is
+one transaction per round). A partition whose batch came back full has a backlog: it goes on
+in a chain of its own (:meth:`Relay.relay_partition`), where :func:`relay.store.settle`
+settles a batch and takes the one after the batch in flight in the same transaction.
 A batch that does not land whole (a gap, a refusal) ends the partition's round: the batch
 taken after it is never appended, and the next round takes again from the lowest pending
 row, so no row of an aggregate overtakes an earlier one. Failures of Redis or the database back
@@ -89,6 +91,9 @@ class Relay:
         self._found_rows = False
         self._append_thread: ThreadPoolExecutor | None = None
         self._busy: set[int] = set()  # partitions whose last visit said there may be more
+        # Batches a round's settle took for the next round (store.settle_batches ``take``):
+        # partition -> (epoch, rows), recorded on the lease row, not yet appended.
+        self._pretaken: dict[int, tuple[int, list[outgoing.OutboxRow]]] = {}
         # Observation (relay/metrics.py, cli/observe.py): hooks when metrics are on, the
         # liveness heartbeat and the last successful lease round (monotonic seconds).
         self.metrics: RelayMetrics | None = None
@@ -190,6 +195,7 @@ class Relay:
                     if self._found_rows:  # a trickle of work: keep polling at the short interval
                         self.wakeup.worked()
                     self.wakeup.wait()
+            self._send_pretaken()
         finally:
             sys.setswitchinterval(switch_interval)
             shutdown_periodic(self.periodic)
@@ -216,7 +222,8 @@ class Relay:
 
     def run_once(self) -> bool:
         """One round over our partitions (on PostgreSQL, those notified since the last round,
-        see relay/wakeup.py); True if any partition had a full batch or errors."""
+        see relay/wakeup.py); True if any partition had a full batch or errors, or the
+        round's settle took the next round's rows."""
         self.stats.rounds += 1
         self._found_rows = False
         targets = self.wakeup.targets()
@@ -224,32 +231,57 @@ class Relay:
         self._refresh_leases()
         self.repairer.maybe_run(self.leases)
         run_due(self.periodic)
+        # Taken by the last round's settle, under a lease we still hold by the same epoch
+        # (any other stays recorded on its lease row: its next take retries it by id).
+        pretaken = {p: rows for p, (e, rows) in self._pretaken.items()
+                    if self.leases.get(p) == e}
         if targets is not None:  # notified partitions, the busy ones, and any newly leased
-            targets |= self._busy | (set(self.leases) - held)
+            targets |= self._busy | (set(self.leases) - held) | set(self._pretaken)
         self._busy = set()
         epochs = {p: e for p, e in self.leases.items() if targets is None or p in targets}
         if not epochs or self._stop.is_set():
-            return False
+            return False  # what was taken stays for _send_pretaken
+        self._pretaken = {}
         s = self.settings
         self._waiting = self.refusals.waiting()
-        taken, lost = store.take_batches(self.engine, self.node_id, epochs, s.batch_size,
-                                         s.lease_ttl_ms, self._waiting)
+        to_take = {p: e for p, e in epochs.items() if p not in pretaken}
+        taken, lost = store.take_batches(
+            self.engine, self.node_id, to_take, s.batch_size, s.lease_ttl_ms, self._waiting
+        ) if to_take else ({}, [])
         for partition in lost:
             self._lease_lost(partition, epochs[partition])
+        if taken:
+            faults.point("relay.after_take")
+        taken.update(pretaken)
         if not taken:
             return False
         self._found_rows = True
-        faults.point("relay.after_take")
         full = {p: rows for p, rows in taken.items() if len(rows) >= s.batch_size}
         self._busy = self._relay_round(
-            {p: rows for p, rows in taken.items() if p not in full}, epochs)
+            {p: rows for p, rows in taken.items() if p not in full}, epochs,
+            take_next=not self._stop.is_set())
         for partition, rows in full.items():  # a backlog: the chain of overlapped batches
             try:
                 if self.relay_partition(partition, epochs[partition], rows):
                     self._busy.add(partition)
             except LeaseLostError:
                 self._lease_lost(partition, epochs[partition])
-        return bool(self._busy)
+        return bool(self._busy or self._pretaken)
+
+    def _send_pretaken(self) -> None:
+        """On the way out, append and settle what the last round's settle took (nothing is
+        taken again), so a stopped relay leaves no batch recorded for its successor to retry.
+        Failing that, the rows stay recorded and the next owner retries them by id."""
+        pretaken = {p: rows for p, (e, rows) in self._pretaken.items()
+                    if self.leases.get(p) == e}
+        self._pretaken = {}
+        if not pretaken:
+            return
+        try:
+            self._relay_round(pretaken, dict(self.leases), take_next=False)
+        except UnavailableError:
+            log.warning("could not send the last taken batches; the next owner retries them",
+                        extra={"node": self.node_id})
 
     def _lease_lost(self, partition: int, epoch: int) -> None:
         self.stats.lease_losses += 1
@@ -259,10 +291,17 @@ class Relay:
         self.refusals.forget_partition(partition)
 
     def _relay_round(
-        self, taken: dict[int, list[outgoing.OutboxRow]], epochs: dict[int, int]
+        self, taken: dict[int, list[outgoing.OutboxRow]], epochs: dict[int, int], *,
+        take_next: bool,
     ) -> set[int]:
         """Append the partial batches of a round, one partition after the other, and settle
         them all in **one** transaction; returns the partitions that may have more.
+
+        With ``take_next``, that transaction also takes the next batch of each partition
+        whose batch landed whole (:func:`store.settle_batches`), for the next round: the rows
+        committed while this round appended go out without a take transaction of their own
+        and without waiting for a notification. Not after a gap, a refusal or a retry (their
+        rows follow the round's usual rules: a refused stream backs off).
 
         At a trickle a round takes a few rows in each notified partition: one take and one
         settle transaction for all of them, instead of two per partition, is what keeps the
@@ -284,26 +323,34 @@ class Relay:
                 error = err
                 break
         if landed:
-            self._settle_all(landed, epochs)
+            self._settle_all(landed, epochs, take_next=take_next and error is None)
         if error is not None:
             raise error
         return {rows[0].partition for rows, verdicts in landed if self._more(rows, verdicts)}
 
     def _settle_all(
         self, landed: list[tuple[list[outgoing.OutboxRow], append.Verdicts]],
-        epochs: dict[int, int],
+        epochs: dict[int, int], *, take_next: bool,
     ) -> None:
-        """Settle several partitions' batches in one transaction (:func:`store.settle_batches`)."""
+        """Settle several partitions' batches in one transaction (:func:`store.settle_batches`);
+        with ``take_next``, keep what it took for the next round (:meth:`_relay_round`)."""
         s = self.settings
-        outcomes, news = [], {}
+        outcomes, news, clean = [], {}, set()
         for rows, v in landed:
             partition = rows[0].partition
             news[partition] = {(r.stream, r.partition) for r in rows} - self._streams_seen
             outcomes.append(store.Settlement(
                 partition, epochs[partition], v.delivered, v.gaps, v.failed, v.stream_top,
                 news[partition] if v.delivered else set(), drop_recorded=not v.complete))
-        lost = store.settle_batches(self.engine, self.node_id, s.lease_ttl_ms, outcomes)
+            if take_next and v.complete and not rows[0].retry:
+                clean.add(partition)
+        lost, taken = store.settle_batches(
+            self.engine, self.node_id, s.lease_ttl_ms, outcomes, take=frozenset(clean),
+            batch_size=s.batch_size, waiting=self._waiting)
         faults.point("relay.after_mark")
+        if taken:
+            faults.point("relay.after_take")
+            self._pretaken = {p: (epochs[p], rows) for p, rows in taken.items()}
         for partition in lost:
             self._lease_lost(partition, epochs[partition])
         for rows, v in landed:

@@ -328,28 +328,48 @@ class Settlement:
 
 
 def settle_batches(
-    engine: Engine, node_id: str, ttl_ms: int, outcomes: list[Settlement]
-) -> list[int]:
-    """:func:`settle` (without a take) for several partitions' batches in **one** transaction;
-    returns the partitions fenced out, whose rows stay as they were (their next owner retries
-    the recorded batches under the same ids). Partition order, as in :func:`take_batches`."""
+    engine: Engine, node_id: str, ttl_ms: int, outcomes: list[Settlement], *,
+    take: frozenset[int] = frozenset(), batch_size: int = 0,
+    waiting: dict[int, frozenset[str]] | None = None,
+) -> tuple[list[int], dict[int, list[OutboxRow]]]:
+    """:func:`settle` for several partitions' batches in **one** transaction; returns the
+    partitions fenced out, whose rows stay as they were (their next owner retries the
+    recorded batches under the same ids), and what was taken. Partition order, as in
+    :func:`take_batches`.
+
+    ``take``: partitions whose next batch (up to ``batch_size`` rows, none of the streams in
+    ``waiting``) is taken in the same transaction, right after their settle, as
+    :func:`take_batches` would take it in the next one: the rows committed while the round
+    appended go out in the next round without a take transaction of their own (at a steady
+    trickle, the round's time from commit to ``XADD`` is what bounds the latency). A
+    partition that still has a recorded batch after its settle takes nothing here (its
+    retry comes first, by :func:`take_batches`)."""
     lost: list[int] = []
+    taken: dict[int, list[OutboxRow]] = {}
     with translate_errors(), engine.begin() as conn:
         for outcome in sorted(outcomes, key=lambda o: o.partition):
+            p = outcome.partition
             try:
-                _settle(conn, outcome, node_id, ttl_ms)
+                rows = _settle(conn, outcome, node_id, ttl_ms, take_next=p in take,
+                               batch_size=batch_size,
+                               waiting=(waiting or {}).get(p, frozenset()))
             except LeaseLostError:  # the fence changed nothing: the others still commit
-                lost.append(outcome.partition)
-    return lost
+                lost.append(p)
+                continue
+            if rows:
+                taken[p] = rows
+    return lost, taken
 
 
 def _settle(
     conn: Connection, o: Settlement, node_id: str, ttl_ms: int, *,
-    take_after: int | None = None, batch_size: int = 0, inflight: Sequence[int] = (),
-    waiting: frozenset[str] = frozenset(),
+    take_after: int | None = None, take_next: bool = False, batch_size: int = 0,
+    inflight: Sequence[int] = (), waiting: frozenset[str] = frozenset(),
 ) -> list[OutboxRow]:
     """The body of :func:`settle`, in the caller's transaction. Rows are marked delivered (and
-    streams registered) at the database's clock the fence returned: the relay has one clock."""
+    streams registered) at the database's clock the fence returned: the relay has one clock.
+    ``take_next`` (no ``take_after``): then take the partition's next batch from its lowest
+    pending row, as a round's take does, unless a recorded batch is left to retry."""
     partition, epoch = o.partition, o.epoch
     fused = _fence_and_mark(conn, o, node_id, ttl_ms)
     if fused is not None:
@@ -374,6 +394,9 @@ def _settle(
     through = max([s for s, _ in o.delivered] + o.gaps + [s for s, _ in o.failed], default=-1)
     batches = [] if o.drop_recorded else [b for b in batches if b.first_seq > through]
     if take_after is None:
+        if take_next and not batches and batch_size > 0:
+            return take_fresh(conn, partition, epoch, batch_size, db_now, last, [],
+                              force_write=True, waiting=waiting)
         record(conn, partition, epoch, batches, last)
         return []
     return take_fresh(conn, partition, epoch, batch_size, db_now, last, batches,
