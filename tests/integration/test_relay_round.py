@@ -139,7 +139,8 @@ def committing_during_the_first_append(
 ) -> list[str]:
     """Make the next append commit ``count`` more events first (after the round's take, before
     its settle); the returned list fills with their ids."""
-    real, ids = append.append, []
+    real = append.append
+    ids: list[str] = []
 
     def commit_then_append(*args: Any, **kwargs: Any) -> append.Verdicts:
         if not ids:
