@@ -336,19 +336,27 @@ def _handler_lines(h: dict[str, Any]) -> list[str]:
 
 
 def _capacity_lines(c: dict[str, Any]) -> list[str]:
-    """The sustained-rate sweep (``run.capacity``): per offered rate, achieved and latency."""
+    """The sustained-rate sweeps (``run.capacity``): per offered rate, achieved and latency."""
     if not c:
         return []
-    lines = [f"  capacity sweep ({c['threads']} writer threads, one event per transaction, "
+    lines = _sweep_lines(c, c, "one event per transaction")
+    if "batched" in c:
+        lines += _sweep_lines(c, c["batched"], f"the events due, up to {c['batched']['per_txn']}"
+                              " per transaction")
+    return lines
+
+
+def _sweep_lines(c: dict[str, Any], sweep: dict[str, Any], shape: str) -> list[str]:
+    lines = [f"  capacity sweep ({c['threads']} writer threads, {shape}, "
              f"{c['seconds']:g} s per rate, one-row handler):"]
-    for rate, row in c["rows"].items():
+    for rate, row in sweep["rows"].items():
         cells = "  ".join(f"{q} {fmt(row[q], '', 1)}" for q in ("p50", "p99"))
         behind = f"  (fell behind: {row['missing']} unclaimed)" if row.get("missing") else ""
         lines.append(f"    offered {int(rate):>6}/s: committed {fmt(row['produced'], '/s')}  "
                      f"claimed {fmt(row['achieved'], '/s')}  latency (ms) {cells}{behind}")
     lines.append(f"    capacity (p99 <= {c['p99_bar_ms']:g} ms, >= 90 % of the offered rate "
                  "claimed, nothing left behind): "
-                 f"{c['capacity']:,.0f} ev/s")
+                 f"{sweep['capacity']:,.0f} ev/s")
     return lines
 
 

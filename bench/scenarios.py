@@ -363,13 +363,14 @@ def rss_kb(pid: int) -> int:
 def pipeline(
     target: Target, rate: float, seconds: float, partitions: int, sample_every: float = 0.0,
     *, record: bool = True, notify: bool = True, producer_threads: int = 1,
-    one_row: bool = False,
+    one_row: bool = False, per_txn: int = 1,
 ) -> Pipeline:
     """Steady producer at ``rate`` → one relay → one consumer; commit→claim latency per event.
 
     With ``notify`` False the producer is made with ``notify=False``: no ``pg_notify``, the
-    relay finds its rows by polling. ``producer_threads`` > 1: that many writer threads, one
-    event per transaction each (:func:`workers.producer_child`); ``one_row``: the consumer's
+    relay finds its rows by polling. ``producer_threads`` > 1: that many writer threads, each
+    committing the events due, at most ``per_txn`` per transaction
+    (:func:`workers.producer_child`); ``one_row``: the consumer's
     handler writes one row per event (``bench_effects``, emptied first).
 
     With ``sample_every`` > 0 the relay's and consumer's RSS is sampled during the run. With
@@ -391,7 +392,7 @@ def pipeline(
                            partitions, 500, "bench-consumer", c.ready, c.start, c.stop,
                            c.results, record, one_row)
         c.spawn(workers.producer_child, target.url, target.prefix, partitions, rate, seconds,
-                c.ready, c.start, c.results, notify, producer_threads)
+                c.ready, c.start, c.results, notify, producer_threads, per_txn)
         rss: dict[str, list[tuple[float, int]]] = {"relay": [], "consumer": []}
         t0 = c.go()
         _sample(rss, relay.pid, consumer.pid, 0.0)

@@ -218,13 +218,15 @@ def _stamp_reads(read: dict[str, tuple[str, str, float]]) -> None:
 def producer_child(
     url: str, prefix: str, partitions: int, rate: float, seconds: float,
     ready: Any, start: Any, results: Any, notify: bool = True, threads: int = 1,
+    per_txn: int = 1,
 ) -> None:
     """Enqueue at a steady ``rate`` for ``seconds``; records each event's commit time
     (``time.time()``). ``notify``: the producer's (``False``: no ``pg_notify``, relays poll).
 
     One thread (``threads`` 1): one transaction per tick holds the events due by then (one, at
-    low rates). Several: each thread is a request handler of its own, one event per
-    transaction, ``rate / threads`` each (the capacity sweep: what a service's writers offer).
+    low rates). Several: each thread is a writer of its own, ``rate / threads`` each, whose
+    transaction holds the events due by then up to ``per_txn`` (the capacity sweep: 1, a
+    request handler's one event; more, a writer that commits what came in meanwhile).
     """
     producer = Producer(source="bench", partitions=partitions, key_prefix=prefix,
                         notify=notify)
@@ -239,7 +241,7 @@ def producer_child(
         _produce(engine, producer, committed, range(total), rate, 100)
     else:
         workers = [threading.Thread(target=_produce, args=(
-            engine, producer, committed, range(i, total, threads), rate / threads, 1))
+            engine, producer, committed, range(i, total, threads), rate / threads, per_txn))
             for i in range(threads)]
         for w in workers:
             w.start()

@@ -37,12 +37,18 @@ def test_bench_tiny_writes_results_and_plots(tmp_path: Path) -> None:
         assert row["achieved"]["median"] > 0 and row["produced"]["median"] > 0
         assert row["p50"]["median"] <= row["p99"]["median"]
         assert sweep["capacity"] in (0, 200)
+        batched = sweep["batched"]  # the same by writers committing what is due
+        assert set(batched["rows"]) == {"200"} and batched["per_txn"] == 10
+        assert batched["rows"]["200"]["achieved"]["median"] > 0
+        assert batched["capacity"] in (0, 200)
     assert {t["name"] for t in data["targets"]} >= {
         "postgresql consumer, one-row handler / hand-written loop",
         "postgresql consumer, batch handler / hand-written loop",
         "postgresql consumer, no-op handler / hand-written loop",
         "postgresql consumer, async one-row handler / hand-written loop",
-        "postgresql capacity, ev/s with p99 <= 100 ms",
+        "postgresql capacity, ev/s with p99 <= 100 ms, one event per transaction",
+        "postgresql capacity, ev/s with p99 <= 100 ms, writers committing what is due "
+        "(<= 10 per transaction)",
     }
     assert data["memory"]["processes"].keys() == {"relay", "consumer"}
     assert {t["name"] for t in data["targets"]} >= {"RSS growth of relay (%)"}
