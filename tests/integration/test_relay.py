@@ -112,6 +112,51 @@ def test_events_of_one_aggregate_keep_revision_order_in_one_partition(
         assert [int(f["revision"]) for _p, f in mine] == list(range(1, 13))
 
 
+def test_a_chained_settle_takes_the_next_rows_of_an_aggregate_whose_earlier_ones_it_marks(
+    engine: Engine,
+) -> None:
+    """Settling batch 1 while batch 2 is in flight takes batch 3 in the same transaction (on
+    PostgreSQL in the settle's own statement, whose snapshot still shows batch 1 undelivered):
+    an aggregate's rows in batch 3 are taken, not held back behind batch 1's."""
+    enqueue_events(engine, 30, aggregates=1)  # one aggregate, one partition, seq order
+    partition = outbox_rows(engine)[0].partition
+    epoch = acquire_leases(engine, "a", PARTITIONS, 10_000)[partition]
+    first = store.take_batch(engine, partition, "a", epoch, 10, 10_000)
+    second = store.take_batch(engine, partition, "a", epoch, 10, 10_000,
+                              after_seq=first[-1].seq, inflight=[r.seq for r in first])
+    assert len(first) == len(second) == 10
+
+    third = store.settle(engine, partition, "a", epoch, 10_000,
+                         delivered=[(r.seq, r.entry_id) for r in first], gaps=[], failed=[],
+                         take_after=second[-1].seq, batch_size=10,
+                         inflight=[r.seq for r in second])
+
+    rows = outbox_rows(engine)
+    assert [r.seq for r in third] == [r.seq for r in rows[20:]]
+    assert all(r.delivered_at_ms is not None for r in rows[:10])
+    assert all(r.delivered_at_ms is None for r in rows[10:])
+
+
+def test_a_chained_settle_fenced_out_marks_and_takes_nothing(engine: Engine) -> None:
+    enqueue_events(engine, 30, aggregates=1)
+    partition = outbox_rows(engine)[0].partition
+    epoch = acquire_leases(engine, "a", PARTITIONS, 10_000)[partition]
+    first = store.take_batch(engine, partition, "a", epoch, 10, 10_000)
+    second = store.take_batch(engine, partition, "a", epoch, 10, 10_000,
+                              after_seq=first[-1].seq, inflight=[r.seq for r in first])
+    expire_lease(engine, partition)
+    assert partition in acquire_leases(engine, "b", PARTITIONS, 10_000)
+    before = outbox_rows(engine)
+
+    with pytest.raises(LeaseLostError):
+        store.settle(engine, partition, "a", epoch, 10_000,
+                     delivered=[(r.seq, r.entry_id) for r in first], gaps=[], failed=[],
+                     take_after=second[-1].seq, batch_size=10,
+                     inflight=[r.seq for r in second])
+
+    assert outbox_rows(engine) == before
+
+
 def test_two_relays_split_partitions_and_never_publish_twice(
     engine: Engine, redis_client: redis.Redis, key_prefix: str
 ) -> None:
