@@ -115,9 +115,9 @@ def test_events_of_one_aggregate_keep_revision_order_in_one_partition(
 def test_a_chained_settle_takes_the_next_rows_of_an_aggregate_whose_earlier_ones_it_marks(
     engine: Engine,
 ) -> None:
-    """Settling batch 1 while batch 2 is in flight takes batch 3 in the same transaction (on
-    PostgreSQL in the settle's own statement, whose snapshot still shows batch 1 undelivered):
-    an aggregate's rows in batch 3 are taken, not held back behind batch 1's."""
+    """Settling batch 1 while batch 2 is in flight takes batch 3 in the same transaction: an
+    aggregate's rows in batch 3 are taken, not held back behind batch 1's, which the same
+    transaction marks."""
     enqueue_events(engine, 30, aggregates=1)  # one aggregate, one partition, seq order
     partition = outbox_rows(engine)[0].partition
     epoch = acquire_leases(engine, "a", PARTITIONS, 10_000)[partition]

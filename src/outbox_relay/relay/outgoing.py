@@ -223,19 +223,16 @@ def take_fresh(
     inflight: Sequence[int] = (),
     force_write: bool = False,
     waiting: frozenset[str] = frozenset(),
-    first_read: list[Any] | None = None,
 ) -> list[OutboxRow]:
     """Select a new batch after the recorded ones and record it (one lease-row write).
 
     The record is the batch's runs of consecutive sendable rows, all under one ``ms``: a row
     held back splits a run, so a retry of the record (:func:`recorded_rows`) never includes it.
     Rows of the streams in ``waiting`` (backing off after a refusal, relay/refusals.py) are
-    not taken and split runs the same way. ``first_read``: the rows of the selection's first
-    read, already read by the caller (:func:`first_read_select`).
+    not taken and split runs the same way.
     """
     rows, runs = (
-        _select_sendable(conn, partition, batch_size, now, after_seq, inflight, waiting,
-                         first_read)
+        _select_sendable(conn, partition, batch_size, now, after_seq, inflight, waiting)
         if batch_size > 0 else ([], [])
     )
     new_last = last
@@ -274,7 +271,6 @@ def _select_sendable(
     after_seq: int | None,
     inflight: Sequence[int],
     waiting: frozenset[str] = frozenset(),
-    first_read: list[Any] | None = None,
 ) -> tuple[list[Any], list[tuple[int, int]]]:
     """Up to ``limit`` pending rows after ``after_seq`` that may go out now, and their runs.
 
@@ -287,8 +283,7 @@ def _select_sendable(
     not commit order) or a row whose append failed; a held row blocks its own later rows in
     turn. Rows without an aggregate id have no order to keep. Rows of a ``waiting`` stream
     are skipped whole (an aggregate's rows all share one stream). Returns the rows (seq order)
-    and the ``(first seq, last seq)`` runs of consecutive taken candidates. ``first_read``:
-    what the first read returns, read by the caller with :func:`first_read_select`.
+    and the ``(first seq, last seq)`` runs of consecutive taken candidates.
     """
     taken: list[Any] = []
     runs: list[tuple[int, int]] = []
@@ -304,7 +299,7 @@ def _select_sendable(
         left_behind = after_seq is not None and above < after_seq
         if left_behind:
             params.update(b_after=after_seq, b_inflight=json.dumps(list(inflight)))
-        rows = _rows_of_read(conn, postgres, left_behind, params, first_read if i == 0 else None)
+        rows = conn.execute(_read_query(postgres, left_behind), params).all()
         for r in rows:
             key = (r[2], r[4], r[5])
             if waiting and r[2] in waiting:  # its stream backs off: not taken, splits the run
@@ -331,16 +326,6 @@ def _select_sendable(
     return taken, runs
 
 
-def _rows_of_read(
-    conn: Connection, postgres: bool, left_behind: bool, params: dict[str, Any],
-    given: list[Any] | None,
-) -> Sequence[Any]:
-    """One read of :func:`_select_sendable`: ``given`` when the caller read it already."""
-    if given is not None:
-        return given
-    return conn.execute(_read_query(postgres, left_behind), params).all()
-
-
 @functools.cache
 def _read_query(postgres: bool, left_behind: bool) -> Any:
     """One read of :func:`_select_sendable`, a statement built once (building it cost as
@@ -353,29 +338,7 @@ def _read_query(postgres: bool, left_behind: bool) -> Any:
     order (see :func:`sendable`), which stops after ``b_limit`` rows: it passes the batch in
     flight (never returned) and every other pending row once.
     """
-    return _read(postgres, left_behind, bindparam("b_now", type_=BigInteger))
-
-
-def first_read_select(now: Any) -> Any:
-    """The first read of a chained take (:func:`_select_sendable` with ``after_seq``) on
-    PostgreSQL as a ``SELECT`` whose clock is the column expression ``now``, for a statement
-    that reads it together with the settle before it (:func:`relay.store._settle`). Its
-    parameters: :func:`first_read_params`."""
-    return _read(True, True, now)
-
-
-def first_read_params(
-    partition: int, batch_size: int, after_seq: int, inflight: Sequence[int]
-) -> dict[str, Any]:
-    """The parameters :func:`_select_sendable`'s first read gets (but ``b_now``)."""
-    return {"b_part": partition, "b_floor": after_seq, "b_above": -1,
-            "b_limit": batch_size + SLACK, "b_after": after_seq,
-            "b_inflight": json.dumps(list(inflight))}
-
-
-def _read(postgres: bool, left_behind: bool, now: Any) -> Any:
-    """The statement of :func:`_read_query` with the clock ``now``."""
-    part = bindparam("b_part", type_=Integer)
+    part, now = bindparam("b_part", type_=Integer), bindparam("b_now", type_=BigInteger)
     candidate = (outbox.c.seq > bindparam("b_floor", type_=BigInteger)) & (
         outbox.c.available_at_ms <= now)
     blocking: Any = outbox.c.available_at_ms > now

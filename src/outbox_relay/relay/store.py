@@ -38,7 +38,6 @@ from sqlalchemy import (
     func,
     literal,
     select,
-    true,
     union_all,
     update,
 )
@@ -49,8 +48,6 @@ from outbox_relay.relay import leases, stream_book
 from outbox_relay.relay.outgoing import (
     Batch,
     OutboxRow,
-    first_read_params,
-    first_read_select,
     first_sendable,
     load_batches,
     record,
@@ -374,15 +371,7 @@ def _settle(
     ``take_next`` (no ``take_after``): then take the partition's next batch from its lowest
     pending row, as a round's take does, unless a recorded batch is left to retry."""
     partition, epoch = o.partition, o.epoch
-    first_read: list[Any] | None = None
-    fused: tuple[str, list[Batch], int] | None = None
-    if take_after is not None and not (o.gaps or o.failed or o.drop_recorded):
-        with_read = _fence_mark_and_read(conn, o, node_id, ttl_ms, batch_size, take_after,
-                                         inflight)
-        if with_read is not None:
-            fused, first_read = with_read
-    if fused is None:
-        fused = _fence_and_mark(conn, o, node_id, ttl_ms)
+    fused = _fence_and_mark(conn, o, node_id, ttl_ms)
     if fused is not None:
         last, batches, db_now = fused
     else:
@@ -412,7 +401,7 @@ def _settle(
         return []
     return take_fresh(conn, partition, epoch, batch_size, db_now, last, batches,
                       after_seq=take_after, inflight=inflight, force_write=True,
-                      waiting=waiting, first_read=first_read)
+                      waiting=waiting)
 
 
 def _fence_and_mark(
@@ -449,14 +438,6 @@ def _fenced_mark(dialect: Dialect) -> DriverStatement:
     ``EXISTS`` reads the fence's output, so PostgreSQL runs the fence before scanning a row;
     locks are taken lease first, outbox after, as every take and settle does), rows are
     marked by the fence's database clock, and when the fence fails nothing is marked."""
-    fence, marked = _fence_and_mark_ctes()
-    statement = select(fence.c.last_entry_id, fence.c.inflight, fence.c.now_ms).add_cte(marked)
-    return DriverStatement(statement, dialect, binary=("b_seqs",))
-
-
-def _fence_and_mark_ctes() -> tuple[Any, Any]:
-    """The CTEs ``fence`` (:func:`leases.fence_cte`) and ``marked`` (the mark of the rows
-    ``b_seqs`` under ``b_prefix`` || seq, gated on the fence's row) of :func:`_fenced_mark`."""
     fence = leases.fence_cte()
     seqs = bindparam("b_seqs", type_=ARRAY(BigInteger))
     marked = (
@@ -468,55 +449,7 @@ def _fence_and_mark_ctes() -> tuple[Any, Any]:
                 attempts=outbox.c.attempts + 1, last_error=None)
         .cte("marked")
     )
-    return fence, marked
-
-
-def _fence_mark_and_read(
-    conn: Connection, o: Settlement, node_id: str, ttl_ms: int, batch_size: int,
-    after_seq: int, inflight: Sequence[int],
-) -> tuple[tuple[str, list[Batch], int], list[Any]] | None:
-    """On PostgreSQL, a chained settle's fence, mark and the next take's first read in
-    **one** statement (:func:`_fenced_mark_and_read`): ``(what the fence returns, the read's
-    rows)``, None when the settle is not of :func:`_fence_and_mark`'s form (the caller then
-    runs them apart). Raises :class:`LeaseLostError` when fenced out, having changed and read
-    nothing.
-
-    The read runs on the statement's snapshot, taken before the mark: the rows being marked
-    still look undelivered to it. They are all at or below ``after_seq`` (the batch in flight
-    follows them), so never candidates, and they are named among the seqs in flight so that
-    none is taken for a blocker: the read returns what it would return after the mark."""
-    if batch_size <= 0 or not o.delivered or not is_postgres(conn):
-        return None
-    prefix = _one_batch_prefix(o.delivered)
-    if prefix is None:
-        return None
-    marked = [s for s, _ in o.delivered]
-    params = first_read_params(o.partition, batch_size, after_seq, [*inflight, *marked])
-    params.update(leases.lease_params(o.partition, node_id, o.epoch, ttl_ms))
-    params.update(b_seqs=marked, b_prefix=prefix)
-    found = _fenced_mark_and_read(conn.dialect).execute(conn, params).all()
-    if not found:
-        raise LeaseLostError(f"partition {o.partition} is no longer ours (epoch {o.epoch})")
-    head = found[0]
-    rows = [r[3:] for r in found if r[3] is not None]  # a row of NULLs: nothing read
-    return (str(head[0]), load_batches(head[1]), int(head[2])), rows
-
-
-@functools.cache
-def _fenced_mark_and_read(dialect: Dialect) -> DriverStatement:
-    """:func:`_fenced_mark`'s statement with the next take's first read joined to the fence
-    (``… SELECT <fence's row>, r.* FROM fence LEFT JOIN LATERAL (<read at the fence's
-    clock>) r ON true``): the chained settle's fence, mark and take in one round trip
-    instead of two. The read is driven by the fence's row: fenced out, nothing is read (and,
-    the mark being gated on the fence as well, nothing written)."""
-    fence, marked = _fence_and_mark_ctes()
-    read = first_read_select(fence.c.now_ms).lateral("r")
-    statement = (
-        select(fence.c.last_entry_id, fence.c.inflight, fence.c.now_ms, *read.c)
-        .select_from(fence.outerjoin(read, true()))
-        .order_by(read.c.partition, read.c.seq)
-        .add_cte(marked)
-    )
+    statement = select(fence.c.last_entry_id, fence.c.inflight, fence.c.now_ms).add_cte(marked)
     return DriverStatement(statement, dialect, binary=("b_seqs",))
 
 
