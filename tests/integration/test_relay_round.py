@@ -230,3 +230,28 @@ def test_a_stopping_relay_sends_what_its_last_settle_took(
     assert lease_owners(engine) == dict.fromkeys(range(PARTITIONS))  # released
     assert_each_once(redis_client, key_prefix, ids + later)
     assert_all_marked(engine, redis_client, key_prefix)
+
+
+def test_a_round_that_starts_with_housekeeping_takes_its_own_rows_after_it(
+    engine: Engine, redis_client: redis.Redis, key_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ids = enqueue_events(engine, 24, aggregates=8)
+    later = committing_during_the_first_append(engine, monkeypatch, 16)
+    relay = relay_holding_everything(engine, redis_client, key_prefix)
+    real = append.append
+
+    def lease_round_due_after_append(*args: Any, **kwargs: Any) -> append.Verdicts:
+        relay._next_lease_check = 0.0  # the next round starts with a lease round
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(append, "append", lease_round_due_after_append)
+    transactions = fenced_transactions(engine)
+
+    assert not relay.run_once()  # nothing taken for the next round: it would wait
+    assert relay.stats.delivered == 24 and len(pending_seqs(engine)) == 16
+    assert recorded_ids(engine) == {}
+    assert not any(s.startswith("SELECT") for s in transactions[-1])
+    monkeypatch.undo()
+    relay.run(until_idle=True)
+    assert_each_once(redis_client, key_prefix, ids + later)
+    assert_all_marked(engine, redis_client, key_prefix)

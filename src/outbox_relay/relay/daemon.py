@@ -258,8 +258,7 @@ class Relay:
         self._found_rows = True
         full = {p: rows for p, rows in taken.items() if len(rows) >= s.batch_size}
         self._busy = self._relay_round(
-            {p: rows for p, rows in taken.items() if p not in full}, epochs,
-            take_next=not self._stop.is_set())
+            {p: rows for p, rows in taken.items() if p not in full}, epochs, take_next=True)
         for partition, rows in full.items():  # a backlog: the chain of overlapped batches
             try:
                 if self.relay_partition(partition, epochs[partition], rows):
@@ -267,6 +266,14 @@ class Relay:
             except LeaseLostError:
                 self._lease_lost(partition, epochs[partition])
         return bool(self._busy or self._pretaken)
+
+    def _chores_due(self) -> bool:
+        """Whether the next round starts with housekeeping on this thread (a lease round, the
+        repair check, a periodic task): rows taken for it now would wait behind that work, so
+        that round takes its own after it, as before."""
+        now = time.monotonic()
+        return (now >= self._next_lease_check or self.repairer.due(now)
+                or any(now >= t.next_at for t in self.periodic if not t.background))
 
     def _send_pretaken(self) -> None:
         """On the way out, append and settle what the last round's settle took (nothing is
@@ -333,8 +340,11 @@ class Relay:
         epochs: dict[int, int], *, take_next: bool,
     ) -> None:
         """Settle several partitions' batches in one transaction (:func:`store.settle_batches`);
-        with ``take_next``, keep what it took for the next round (:meth:`_relay_round`)."""
+        with ``take_next``, keep what it took for the next round (:meth:`_relay_round`), unless
+        the relay is stopping or the next round starts with housekeeping
+        (:meth:`_chores_due`)."""
         s = self.settings
+        take_next = take_next and not (self._stop.is_set() or self._chores_due())
         outcomes, news, clean = [], {}, set()
         for rows, v in landed:
             partition = rows[0].partition

@@ -343,6 +343,10 @@ class Repairer:
         if stream is not None:
             self._asked.add(stream)
 
+    def due(self, now: float) -> bool:
+        """Whether the periodic check is due at ``now`` (monotonic)."""
+        return now >= self._next_check
+
     def maybe_run(self, leases: dict[int, int]) -> int:
         """Check (and repair) our partitions when due, and at once for a partition newly
         leased (so its floors are known before its first append); returns entries appended
