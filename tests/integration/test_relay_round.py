@@ -165,20 +165,37 @@ def pending_seqs(engine: Engine) -> set[tuple[int, int]]:
     return {(r.partition, r.seq) for r in outbox_rows(engine) if r.delivered_at_ms is None}
 
 
+def a_round_taking_for_the_next(
+    engine: Engine, client: redis.Redis, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> tuple[Relay, list[str], list[str]]:
+    """A relay holding every partition runs one round of 24 events, during whose append 16
+    more commit; its settle takes those (recorded on the lease rows, not yet appended).
+    Returns the relay, every event id, and the 16 later ones'."""
+    ids = enqueue_events(engine, 24, aggregates=8)
+    later = committing_during_the_first_append(engine, monkeypatch, 16)
+    relay = relay_holding_everything(engine, client, prefix)
+    assert relay.run_once()  # busy: its settle took the rows committed meanwhile
+    assert relay.stats.delivered == 24 and len(later) == 16
+    assert set(recorded_ids(engine)) >= pending_seqs(engine)
+    assert len(pending_seqs(engine)) == 16
+    monkeypatch.undo()
+    return relay, ids + later, later
+
+
+def assert_sent_once(engine: Engine, client: redis.Redis, prefix: str, ids: list[str]) -> None:
+    assert_each_once(client, prefix, ids)
+    assert_all_marked(engine, client, prefix)
+
+
 def test_rows_committed_while_a_round_appends_are_taken_by_its_settle_for_the_next_round(
     engine: Engine, redis_client: redis.Redis, key_prefix: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    ids = enqueue_events(engine, 24, aggregates=8)
-    later = committing_during_the_first_append(engine, monkeypatch, 16)
-    relay = relay_holding_everything(engine, redis_client, key_prefix)
     transactions = fenced_transactions(engine)
-
-    assert relay.run_once()  # busy: its settle took the rows committed meanwhile
-    assert relay.stats.delivered == 24 and len(later) == 16
+    relay, ids, later = a_round_taking_for_the_next(engine, redis_client, key_prefix,
+                                                     monkeypatch)
     fenced = [t for t in transactions if any(is_fence(s) for s in t)]
     assert len(fenced) == 2 and any(s.startswith("SELECT") for s in fenced[1])
     taken = recorded_ids(engine)
-    assert set(taken) >= pending_seqs(engine) and len(pending_seqs(engine)) == 16
     transactions.clear()
 
     busy = relay.run_once()
@@ -188,21 +205,16 @@ def test_rows_committed_while_a_round_appends_are_taken_by_its_settle_for_the_ne
     assert not busy and relay.stats.delivered == 40
     assert all(r.entry_id == taken[r.partition, r.seq] for r in outbox_rows(engine)
                if r.event_id in later)  # appended under the ids the settle recorded
-    assert_each_once(redis_client, key_prefix, ids + later)
-    assert_all_marked(engine, redis_client, key_prefix)
+    assert_sent_once(engine, redis_client, key_prefix, ids)
     assert recorded_ids(engine) == {}
 
 
 def test_a_batch_a_settle_took_is_retried_by_id_when_its_relay_dies_before_appending_it(
     engine: Engine, redis_client: redis.Redis, key_prefix: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    ids = enqueue_events(engine, 24, aggregates=8)
-    later = committing_during_the_first_append(engine, monkeypatch, 16)
-    relay = relay_holding_everything(engine, redis_client, key_prefix)
-    assert relay.run_once()
+    _relay, ids, later = a_round_taking_for_the_next(engine, redis_client, key_prefix,
+                                                      monkeypatch)
     taken = recorded_ids(engine)
-    assert set(taken) >= pending_seqs(engine) and pending_seqs(engine)
-    monkeypatch.undo()
     for partition in range(PARTITIONS):  # "a" died holding them; "b" takes over
         expire_lease(engine, partition)
 
@@ -210,26 +222,21 @@ def test_a_batch_a_settle_took_is_retried_by_id_when_its_relay_dies_before_appen
 
     assert all(r.entry_id == taken[r.partition, r.seq] for r in outbox_rows(engine)
                if r.event_id in later)
-    assert_each_once(redis_client, key_prefix, ids + later)
-    assert_all_marked(engine, redis_client, key_prefix)
+    assert_sent_once(engine, redis_client, key_prefix, ids)
 
 
 def test_a_stopping_relay_sends_what_its_last_settle_took(
     engine: Engine, redis_client: redis.Redis, key_prefix: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    ids = enqueue_events(engine, 24, aggregates=8)
-    later = committing_during_the_first_append(engine, monkeypatch, 16)
-    relay = relay_holding_everything(engine, redis_client, key_prefix)
-    assert relay.run_once()
-    assert pending_seqs(engine)
+    relay, ids, _later = a_round_taking_for_the_next(engine, redis_client, key_prefix,
+                                                      monkeypatch)
 
     relay.stop()  # the loop runs no round, and still sends the batches taken
     relay.run(until_idle=True)
 
     assert undelivered(engine) == 0 and recorded_ids(engine) == {}
     assert lease_owners(engine) == dict.fromkeys(range(PARTITIONS))  # released
-    assert_each_once(redis_client, key_prefix, ids + later)
-    assert_all_marked(engine, redis_client, key_prefix)
+    assert_sent_once(engine, redis_client, key_prefix, ids)
 
 
 def test_a_round_that_starts_with_housekeeping_takes_its_own_rows_after_it(
@@ -253,5 +260,4 @@ def test_a_round_that_starts_with_housekeeping_takes_its_own_rows_after_it(
     assert not any(s.startswith("SELECT") for s in transactions[-1])
     monkeypatch.undo()
     relay.run(until_idle=True)
-    assert_each_once(redis_client, key_prefix, ids + later)
-    assert_all_marked(engine, redis_client, key_prefix)
+    assert_sent_once(engine, redis_client, key_prefix, ids + later)
