@@ -225,6 +225,29 @@ def test_a_batch_a_settle_took_is_retried_by_id_when_its_relay_dies_before_appen
     assert_sent_once(engine, redis_client, key_prefix, ids)
 
 
+def test_a_relay_that_wins_its_leases_back_retries_what_its_settle_took_by_id(
+    engine: Engine, redis_client: redis.Redis, key_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    relay, ids, later = a_round_taking_for_the_next(engine, redis_client, key_prefix,
+                                                     monkeypatch)
+    taken = recorded_ids(engine)
+    old = dict(relay.leases)
+    for partition in range(PARTITIONS):  # "a" stalled past its TTL; it leases them again
+        expire_lease(engine, partition)
+    relay._next_lease_check = 0.0
+
+    rounds = 1
+    while relay.run_once():  # the old epoch's batches dropped, then retried from the record
+        rounds += 1
+        assert rounds < 5
+
+    assert all(relay.leases[p] == old[p] + 1 for p in old)  # under new epochs
+    assert undelivered(engine) == 0 and recorded_ids(engine) == {}
+    assert all(r.entry_id == taken[r.partition, r.seq] for r in outbox_rows(engine)
+               if r.event_id in later)  # the old epoch's batches, retried by id
+    assert_sent_once(engine, redis_client, key_prefix, ids)
+
+
 def test_a_stopping_relay_sends_what_its_last_settle_took(
     engine: Engine, redis_client: redis.Redis, key_prefix: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -231,10 +231,7 @@ class Relay:
         self._refresh_leases()
         self.repairer.maybe_run(self.leases)
         run_due(self.periodic)
-        # Taken by the last round's settle, under a lease we still hold by the same epoch
-        # (any other stays recorded on its lease row: its next take retries it by id).
-        pretaken = {p: rows for p, (e, rows) in self._pretaken.items()
-                    if self.leases.get(p) == e}
+        pretaken = self._held_pretaken()
         if targets is not None:  # notified partitions, the busy ones, and any newly leased
             targets |= self._busy | (set(self.leases) - held) | set(self._pretaken)
         self._busy = set()
@@ -267,6 +264,11 @@ class Relay:
                 self._lease_lost(partition, epochs[partition])
         return bool(self._busy or self._pretaken)
 
+    def _held_pretaken(self) -> dict[int, list[outgoing.OutboxRow]]:
+        """What the last round's settle took, under a lease we still hold by the same epoch
+        (any other stays recorded on its lease row: its next take retries it by id)."""
+        return {p: rows for p, (e, rows) in self._pretaken.items() if self.leases.get(p) == e}
+
     def _chores_due(self) -> bool:
         """Whether the next round starts with housekeeping on this thread (a lease round, the
         repair check, a periodic task): rows taken for it now would wait behind that work, so
@@ -279,8 +281,7 @@ class Relay:
         """On the way out, append and settle what the last round's settle took (nothing is
         taken again), so a stopped relay leaves no batch recorded for its successor to retry.
         Failing that, the rows stay recorded and the next owner retries them by id."""
-        pretaken = {p: rows for p, (e, rows) in self._pretaken.items()
-                    if self.leases.get(p) == e}
+        pretaken = self._held_pretaken()
         self._pretaken = {}
         if not pretaken:
             return
