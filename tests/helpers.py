@@ -47,7 +47,7 @@ from outbox_relay.relay import entry_ids
 from outbox_relay.relay.outgoing import OutboxRow
 from outbox_relay.shared import keys
 from outbox_relay.shared.envelope import Event
-from outbox_relay.shared.schema import inbox, relay_leases
+from outbox_relay.shared.schema import inbox, relay_leases, relay_nodes
 from outbox_relay.shared.schema import outbox as outbox_table
 from outbox_relay.shared.settings import ConsumerSettings, RelaySettings
 from tests.conftest import REDIS_URL
@@ -551,3 +551,12 @@ def outbox(
         [str(OUTBOX), *args], env={**base, **(env or {})}, cwd=cwd, capture_output=True,
         text=True, timeout=timeout, check=False,
     )
+
+
+def let_die(engine: Engine, node_id: str) -> None:
+    """What the clock does to a dead relay: its heartbeat and all its leases run out."""
+    with engine.begin() as conn:
+        conn.execute(update(relay_nodes).where(relay_nodes.c.node_id == node_id)
+                     .values(expires_at_ms=0))
+        conn.execute(update(relay_leases).where(relay_leases.c.owner == node_id)
+                     .values(expires_at_ms=0))

@@ -25,7 +25,7 @@ from outbox_relay.shared.db import now_ms
 from outbox_relay.shared.envelope import Event
 from outbox_relay.shared.errors import LeaseLostError, UnavailableError
 from outbox_relay.shared.redis_conn import connect_redis
-from outbox_relay.shared.schema import outbox, relay_leases, relay_nodes
+from outbox_relay.shared.schema import outbox, relay_leases
 from tests.conftest import REDIS_URL
 from tests.helpers import (
     PARTITIONS,
@@ -37,6 +37,7 @@ from tests.helpers import (
     enqueue_events,
     expire_lease,
     lease_owners,
+    let_die,
     outbox_rows,
     partition_of,
     private_redis,
@@ -47,15 +48,6 @@ from tests.helpers import (
 )
 
 pytestmark = pytest.mark.integration
-
-def let_die(engine: Engine, node_id: str) -> None:
-    """What the clock does to a dead relay: its heartbeat and all its leases run out."""
-    with engine.begin() as conn:
-        conn.execute(update(relay_nodes).where(relay_nodes.c.node_id == node_id)
-                     .values(expires_at_ms=0))
-        conn.execute(update(relay_leases).where(relay_leases.c.owner == node_id)
-                     .values(expires_at_ms=0))
-
 
 def test_every_committed_event_appears_once_with_its_entry_id(
     engine: Engine, redis_client: redis.Redis, key_prefix: str

@@ -538,7 +538,7 @@ def test_groups_are_known_from_the_first_trim_after_a_delivery_so_a_redis_loss_h
     assert relay.stats.delivered == 30 and not relay.repairer.streams
     trim = relay.periodic[0]
     assert trim.name == "stream trim"
-    trim.run()  # the relay's trim task, before any further repair check
+    trim.run(*trim.inputs())  # the relay's trim task, before any further repair check
     with engine.connect() as conn:
         known = set(conn.execute(select(stream_groups.c.group_name)).scalars())
     assert known == {"fast", "slow"}
@@ -549,5 +549,5 @@ def test_groups_are_known_from_the_first_trim_after_a_delivery_so_a_redis_loss_h
     assert len(_ids(redis_client, key)) == 30
     redis_client.xgroup_create(key, "fast", id="0")  # only one group's consumers are back
     _read_ack(redis_client, key, "fast", 30)
-    trim.run()
+    trim.run(*trim.inputs())
     assert len(_ids(redis_client, key)) == 30  # held for "slow", which has read nothing

@@ -81,6 +81,7 @@ class Relay:
         self.stats = counters.RelayStats()
         self.wakeup = Wakeup(settings.poll_min_ms, settings.poll_max_ms)
         self.repairer = repair.Repairer(settings, engine, client, self.node_id)
+        self.repairer.on_wanted = self.wakeup.notify  # a check asked for: the next round runs it
         # Streams whose append Redis refused wait with backoff, alone (relay/refusals.py).
         self.refusals = refusals.StreamBackoff(settings.refusal_first_delay_s,
                                                settings.refusal_max_delay_s)
@@ -98,17 +99,24 @@ class Relay:
         # liveness heartbeat and the last successful lease round (monotonic seconds).
         self.metrics: RelayMetrics | None = None
         self.last_loop = self.leases_tried_at = time.monotonic()
-        self.trimmer = trim.Trimmer(settings, engine, client)
+        self.trimmer = trim.Trimmer(settings, engine, client, lock=self.repairer.lock)
         self._streams_seen: set[tuple[str, int]] = set()  # delivered to by this process
         self.prune_stats: PruneStats | None = None  # set by cli/prune.py (retention task)
-        # Housekeeping between rounds (trimming, retention): see shared/periodic.py.
+        # Housekeeping between rounds (trimming, retention): see shared/periodic.py. The
+        # trim and the repair check run on threads of their own (their modules say why it is
+        # safe), with copies of the leases and streams taken on this thread.
         self.periodic: list[Periodic] = [
             # The streams the repair check found and those delivered to since: a stream is
             # trimmed (and its groups become known, so a Redis loss cannot trim what a group
             # not yet back never read) from its first delivery, not from the next check.
-            Periodic("stream trim", settings.trim_interval_s,
-                     lambda: self.trimmer.run(self.leases,
-                                              self.repairer.streams | self._streams_seen)),
+            Periodic("stream trim", settings.trim_interval_s, self.trimmer.run, background=True,
+                     inputs=lambda: (dict(self.leases),
+                                     self.repairer.streams | self._streams_seen)),
+            # The check first runs on this thread when the partitions are won
+            # (Repairer.maybe_run), so the screen's first run is one interval later.
+            Periodic("repair check", self.repairer.interval_s, self.repairer.screen,
+                     background=True, inputs=lambda: (dict(self.leases),),
+                     next_at=time.monotonic() + self.repairer.interval_s),
             # A stream first written with another partition count would be stranded in part:
             # refuse to run (invalid_config), at the first round and every 30 s.
             Periodic("partition count check", partition_counts.CHECK_INTERVAL_S,

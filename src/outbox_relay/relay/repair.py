@@ -44,6 +44,17 @@ Only rows at or above the stream's **trim floor** count, are compared and are pu
 :mod:`relay.trim` removed because every group had acknowledged it is never re-added. A stream
 whose every delivered entry was trimmed and then lost gets its last id raised back instead.
 
+**Where it runs.** The periodic check (:meth:`Repairer.screen`, every
+:data:`REPAIR_INTERVAL_S`) runs on a thread of its own while the relay appends: on the relay's
+thread its reads held every round 25-40 ms each time (the tail of the relay's latency at a
+steady rate). It only reads, in the order that keeps a stream in step from ever looking behind
+or foreign while appends go on (the outbox before the stream, the lease row after it), and
+anything it finds asks for the full check (:meth:`Repairer.run`) at the relay thread's next
+round, which reads again and repairs. That full check also runs when the relay wins a
+partition, and when an append finds a stream behind (:meth:`Repairer.check_soon`). Every
+check that may write holds :attr:`Repairer.lock`, which the stream trim (relay/trim.py, also
+off the relay thread) holds too: a trim never runs in the middle of a rebuild.
+
 Its SQL is in :mod:`relay.repair_store`, its Redis commands in :mod:`relay.repair_streams`.
 """
 
@@ -51,8 +62,10 @@ from __future__ import annotations
 
 import heapq
 import logging
+import math
+import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import redis
@@ -123,16 +136,23 @@ def compare(
     # Even with nothing above the trim floor: a stream trimmed to nothing and then lost must
     # get its last id back before anything newer is appended.
     newest = repair_store.newest_delivered_id(engine, stream, partition)
-    reason = None
-    if delivered and not state.exists:
-        reason = "stream_missing"
-    elif newest is not None and entry_ids.greater(newest, state.top):
-        reason = "top_behind"
-    elif state.entries_added < delivered:
-        reason = "entries_lost"
+    reason = behind(delivered, newest, state)
     fence = keys.fence_key(prefix, stream, partition)
     dead = keys.dead_letter_key(prefix, stream, partition)
     return Finding(stream, partition, key, fence, delivered, newest, state, reason, dead)
+
+
+def behind(delivered: int, newest: str | None, state: StreamState) -> str | None:
+    """Why a stream is behind what the outbox delivered to it (``delivered`` rows at or
+    above its floor, ``newest`` delivered id), or None: the one rule of :func:`compare` and
+    :meth:`Repairer.screen`."""
+    if delivered and not state.exists:
+        return "stream_missing"
+    if newest is not None and entry_ids.greater(newest, state.top):
+        return "top_behind"
+    if state.entries_added < delivered:
+        return "entries_lost"
+    return None
 
 
 def repair(
@@ -302,6 +322,10 @@ def settle_foreign(
     return len(foreign), "moved"
 
 
+def _nothing() -> None:
+    """No one to tell (a Repairer without a relay loop)."""
+
+
 def _flat(row: outgoing.OutboxRow, signer: Signer | None = None) -> list[bytes | str]:
     """A row's fields as the relay appends them (signed with ``OUTBOX_SIGNING_KEY``)."""
     return [part for pair in append.to_fields(row, signer).items() for part in pair]
@@ -316,20 +340,25 @@ class Repairer:
         client: redis.Redis,
         node_id: str,
         interval_s: float = REPAIR_INTERVAL_S,
+        lock: threading.Lock | None = None,
     ) -> None:
         self.settings = settings
         self.engine = engine
         self.client = client
         self.node_id = node_id
         self.signer = Signer.from_setting(settings.signing_key.get_secret_value())
-        self.interval_s = interval_s
+        self.interval_s = interval_s  # of the periodic screen (the relay's housekeeping)
         self.stats = RepairStats()
+        # Held by every full check (it may rebuild a stream) and by the stream trim.
+        self.lock = lock or threading.Lock()
+        # Called when a check is wanted from another thread (the relay wakes its loop).
+        self.on_wanted: Callable[[], None] = _nothing
         # Stream key -> the newest entry id the outbox says the stream holds: the relay's
         # append refuses to write above a stream whose last id is below it (Redis lost data;
         # appending first would let consumers read newer events before the refilled older
         # ones). Set by every check, raised by every append (relay/append.py).
         self.floors: dict[str, str] = {}
-        self._next_check = 0.0
+        self._next_check = 0.0  # monotonic; 0: the full check runs at the next round
         self._checked: dict[int, int] = {}
         # (stream, partition) of every known stream of our partitions at the last check (the
         # settles register them: outbox_stream_trims): the streams the relay trims.
@@ -337,30 +366,69 @@ class Repairer:
         self._asked: set[tuple[str, int]] = set()  # streams to check even if not known
 
     def check_soon(self, stream: tuple[str, int] | None = None) -> None:
-        """Run the check at the next round (an append found a stream behind its floor, or
-        behind a top above its ids: ``stream``, checked even if it is not known yet)."""
-        self._next_check = 0.0
+        """Run the full check at the next round (an append found a stream behind its floor,
+        or behind a top above its ids: ``stream``, checked even if it is not known yet; the
+        screen found something). Any thread."""
         if stream is not None:
             self._asked.add(stream)
+        self._next_check = 0.0
+        self.on_wanted()
 
     def due(self, now: float) -> bool:
-        """Whether the periodic check is due at ``now`` (monotonic)."""
+        """Whether the full check runs at the next round (at ``now``, monotonic)."""
         return now >= self._next_check
 
     def maybe_run(self, leases: dict[int, int]) -> int:
-        """Check (and repair) our partitions when due, and at once for a partition newly
-        leased (so its floors are known before its first append); returns entries appended
-        back."""
+        """The full check (and repairs) of our partitions when asked for
+        (:meth:`check_soon`), and at once for a partition newly leased (so its floors are
+        known before its first append); returns entries appended back. The periodic check
+        is :meth:`screen`, off the relay thread."""
         new = any(self._checked.get(p) != e for p, e in leases.items())
         if (time.monotonic() < self._next_check and not new) or not leases:
             return 0
+        # Disarmed before the check: one asked for while it runs runs again next round.
+        self._next_check = math.inf
         added = self.run(leases)
         self._checked = dict(leases)
-        self._next_check = time.monotonic() + self.interval_s
         return added
 
+    def screen(self, leases: dict[int, int]) -> bool:
+        """The periodic check, read only, while the relay appends (a background housekeeping
+        task: see the module docstring); True when it asked for the full check.
+
+        Reads per stream, in this order: what the outbox delivered (the count at or above
+        the floor, the newest delivered id), then the stream, then the lease row's last
+        assigned id. A relay appends to the stream before it marks the rows delivered and
+        records the ids before it appends, so a stream in step read after the outbox holds
+        at least what was delivered (:func:`behind` is None) and no id above the last
+        assigned id read after it; a stream found behind or with a foreign top asks for
+        :meth:`run` at the next round, which reads again on the relay thread and repairs.
+        A stream in step raises its floor to the newest delivered id (never lowers it)."""
+        if not leases:
+            return False
+        self.stats.checks += 1  # as a full check: what operators count is "checked"
+        counts = repair_store.delivered_counts(self.engine, sorted(leases))
+        self.streams = set(counts)
+        for (stream, partition), delivered in sorted(counts.items()):
+            newest = repair_store.newest_delivered_id(self.engine, stream, partition)
+            key = keys.stream_key(self.settings.key_prefix, stream, partition)
+            state = streams.stream_state(self.client, key)
+            last = repair_store.last_assigned(self.engine, partition)
+            if behind(delivered, newest, state) is not None or entry_ids.greater(state.top, last):
+                log.debug("repair check: %s needs a look on the relay thread", key)
+                self.check_soon()
+                return True
+            if newest is not None:
+                append.raise_floor(self.floors, key, newest)
+        return False
+
     def run(self, leases: dict[int, int]) -> int:
-        """Check every stream of the given ``{partition: epoch}`` leases and repair what lags."""
+        """Check every stream of the given ``{partition: epoch}`` leases and repair what lags
+        (holding :attr:`lock`: no stream trim meanwhile)."""
+        with self.lock:
+            return self._run(leases)
+
+    def _run(self, leases: dict[int, int]) -> int:
         s = self.settings
         self.stats.checks += 1
         counts = repair_store.delivered_counts(self.engine, sorted(leases))

@@ -42,6 +42,20 @@ a repair after a Redis loss could re-add a few acknowledged entries: the consume
 (kept while their entries are at or above the floor) make those duplicates, never a second
 application.
 
+**Off the relay thread.** The relay runs :meth:`Trimmer.run` as a background housekeeping task
+(shared/periodic.py) while it appends: on its own thread it held every round for 50-70 ms each
+time (the tail of the relay's latency). What the trim keeps must then also cover batches being
+taken meanwhile, so :meth:`Trimmer.run` first reads each stream's newest entry, then the lease
+rows' unsettled batches, and trims nothing above the newest entry's millisecond. A batch
+appended later was either recorded on its lease row before that read (its ids are assigned and
+recorded before any ``XADD``), so it is unsettled when the lease row is read and the trim keeps
+it whole; or taken after it, and then its millisecond is above every id assigned before
+(relay/entry_ids.batch_ms), the newest entry's included. That holds whatever the clocks do (the
+keep-for cutoff alone would also keep such a batch, but only while the database's clock never
+steps back).
+It holds the repair check's lock (relay/repair.py), so it never runs in the middle of a
+rebuild.
+
 Redis 8.2's ``XTRIM … ACKED`` would give the same guarantee server-side; the script computes it
 atomically on every version, so it is used everywhere (our CI runs Redis 7.0).
 """
@@ -49,6 +63,7 @@ atomically on every version, so it is used everywhere (our CI runs Redis 7.0).
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass
 
 import redis
@@ -59,6 +74,7 @@ from outbox_relay.relay.leases import database_now
 from outbox_relay.shared import keys
 from outbox_relay.shared.errors import LeaseLostError
 from outbox_relay.shared.redaction import redact_url
+from outbox_relay.shared.redis_conn import translate_redis_errors
 from outbox_relay.shared.settings import RetentionSettings
 
 log = logging.getLogger(__name__)
@@ -166,12 +182,16 @@ class TrimStats:
 class Trimmer:
     """Trims the streams of the partitions this relay leases (a housekeeping task)."""
 
-    def __init__(self, settings: RetentionSettings, engine: Engine, client: redis.Redis) -> None:
+    def __init__(
+        self, settings: RetentionSettings, engine: Engine, client: redis.Redis,
+        lock: threading.Lock | None = None,
+    ) -> None:
         self.settings = settings
         self.engine = engine
         self.client = client
         self.stats = TrimStats()
         self.declared = settings.declared()
+        self.lock = lock or threading.Lock()  # the repair check's (relay/repair.py)
 
     def run(self, leases: dict[int, int], streams: set[tuple[str, int]]) -> int:
         """Trim each of ``streams`` (``(stream, partition)``) whose partition is in the given
@@ -181,15 +201,25 @@ class Trimmer:
         delivery on."""
         if not self.settings.stream_trim or not leases:
             return 0
+        with self.lock:
+            return self._run(leases, streams)
+
+    def _run(self, leases: dict[int, int], streams: set[tuple[str, int]]) -> int:
+        """:meth:`run` (see the module docstring, "Off the relay thread", for the order of
+        its reads)."""
         removed = 0
+        mine = sorted(k for k in streams if k[1] in leases)
+        tops = self._above_newest_ms(mine)  # first: see the module docstring
         caps: dict[int, int | None] = {}
         known = stream_book.known_groups(self.engine, sorted(leases))
         now = database_now(self.engine)
-        for stream, partition in sorted(k for k in streams if k[1] in leases):
+        for stream, partition in mine:
             if partition not in caps:
                 caps[partition] = stream_book.unsettled_ms(self.engine, partition)
+            cap = min((c for c in (caps[partition], tops[(stream, partition)]) if c is not None),
+                      default=None)
             try:
-                removed += self.trim(stream, partition, leases[partition], caps[partition],
+                removed += self.trim(stream, partition, leases[partition], cap,
                                      known.get((stream, partition), {}), now=now)
             except LeaseLostError:
                 self.stats.trim_fenced += 1
@@ -200,6 +230,23 @@ class Trimmer:
                             redact_url(str(err)).split("\n")[0][:200],
                             extra={"stream": stream, "partition": partition})
         return removed
+
+    def _above_newest_ms(self, streams: list[tuple[str, int]]) -> dict[tuple[str, int], int]:
+        """The millisecond after each stream's newest entry, one pipelined ``XREVRANGE …
+        COUNT 1`` each: nothing from it up is trimmed by this run. 0 (nothing trimmed) when
+        the stream has no entry, or when Redis refused the read (a key of another type:
+        :meth:`trim` meets the same refusal and counts it)."""
+        if not streams:
+            return {}
+        pipe = self.client.pipeline(transaction=False)
+        for stream, partition in streams:
+            pipe.xrevrange(keys.stream_key(self.settings.key_prefix, stream, partition),
+                           count=1)
+        with translate_redis_errors():
+            replies = pipe.execute(raise_on_error=False)
+        return {pair: entry_ids.parse(_text(reply[0][0]))[0] + 1
+                if isinstance(reply, list) and reply else 0
+                for pair, reply in zip(streams, replies, strict=True)}
 
     def trim(
         self,
@@ -277,6 +324,10 @@ class Trimmer:
         if new or back or gone or forget:
             stream_book.record_groups(self.engine, stream, partition, seen=new + back, missing=gone,
                                 forget=forget, now=now)
+
+
+def _text(raw: object) -> str:
+    return raw.decode() if isinstance(raw, bytes) else str(raw)
 
 
 def _names(raw: object) -> list[str]:
