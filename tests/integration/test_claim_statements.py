@@ -6,12 +6,13 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine, event, select
+from sqlalchemy import Column, Connection, Engine, MetaData, String, Table, event, select
 
 from outbox_relay.consumer import claim_writes, inbox
 from outbox_relay.consumer.handlers import Handlers
 from outbox_relay.shared import keys
 from outbox_relay.shared.db import is_postgres
+from outbox_relay.shared.envelope import Event
 from outbox_relay.shared.schema import inbox_heads, stream_trims
 from tests.helpers import event as make_event
 
@@ -75,3 +76,45 @@ def test_the_heads_upsert_raises_a_head_and_never_lowers_it(engine: Engine) -> N
         with engine.begin() as conn:
             claim_writes._upsert_heads(conn, "g", {("t", i): r for i, r in given.items()})
         assert heads() == expected
+
+
+_effects = Table("claim_statement_effects", MetaData(), Column("event_id", String(64),
+                                                                 primary_key=True))
+
+
+def _effect_or_fail(conn: Connection, ev: Event) -> None:
+    """Write one effect row; the aggregate ``bad`` fails after writing its row."""
+    conn.execute(_effects.insert().values(event_id=ev.id))
+    if ev.aggregateid == "bad":
+        raise RuntimeError("the downstream said no")
+
+
+@pytest.mark.parametrize("size", [1, 3])
+def test_a_claim_sends_no_savepoint_unless_a_handler_raises(engine: Engine, size: int) -> None:
+    """Everything before the handlers only reads, so the optimistic path runs them with no
+    savepoint; when one raises, the whole transaction rolls back and the batch is claimed
+    again in a new one, with a savepoint per handler (the raising one not run again)."""
+    _effects.create(engine, checkfirst=True)
+    key = keys.stream_key("claimtest", "runs", 1)
+    handlers = Handlers()
+    handlers.register("*", _effect_or_fail)
+    good = [inbox.Delivery(key, f"20-{i}", make_event(f"g{i}", 1), 1) for i in range(size)]
+    sent = statements_of(engine)
+    assert [o.outcome for o in inbox.claim(engine, f"s{size}", good, handlers)] == (
+        [inbox.APPLIED] * size)
+    assert not [s for s in sent if "SAVEPOINT" in s.upper()]
+    assert sum(s.startswith("INSERT INTO claim_statement_effects") for s in sent) == size
+
+    sent.clear()
+    bad = [*[inbox.Delivery(key, f"21-{i}", make_event(f"h{i}", 1), 1) for i in range(1, size)],
+           inbox.Delivery(key, "21-0", make_event("bad", 1), 1)]
+    outcomes = inbox.claim(engine, f"s{size}", bad, handlers)
+    assert [o.outcome for o in outcomes] == [inbox.APPLIED] * (size - 1) + [inbox.FAILED]
+    effects = [s for s in sent if s.startswith("INSERT INTO claim_statement_effects")]
+    assert len(effects) == size + (size - 1)  # every handler once, then all but the bad one
+    assert sum(s.upper().startswith("SAVEPOINT") for s in sent) == size - 1
+    lookups = [s for s in sent if s.startswith(("SELECT", "WITH"))]
+    assert lookups[:len(lookups) // 2] == lookups[len(lookups) // 2:]  # read again
+    with engine.connect() as conn:
+        written = set(conn.execute(select(_effects.c.event_id)).scalars())
+    assert written == {d.event.id for d in good} | {d.event.id for d in bad[:-1]}

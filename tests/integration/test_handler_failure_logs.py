@@ -122,7 +122,8 @@ def test_two_failing_handlers_in_one_batch_are_logged_each_on_its_own(
 ) -> None:
     """The redo after the optimistic path ran inside the ``except`` of the first failure, so
     the second handler's traceback was chained to it ("During handling of the above
-    exception ... _HandlerFailed")."""
+    exception ... _HandlerFailed"); the claim done again after ``RedoClaim`` must not chain
+    it either."""
     handlers = Handlers()
     handlers.register("*", failing_handler)
     events = [event("bad", 1), event("ok", 1), event("bad", 2, type="other.thing")]
@@ -140,5 +141,6 @@ def test_two_failing_handlers_in_one_batch_are_logged_each_on_its_own(
     assert len(failing_handler_bad2) == 2
     for record in failing_handler_bad2:
         line = JsonFormatter().format(record)
-        assert "_HandlerFailed" not in line and "During handling" not in line, line
+        assert "HandlerFail" not in line and "RedoClaim" not in line, line
+        assert "During handling" not in line, line
         assert line.count("Traceback (most recent call last)") == 1

@@ -56,9 +56,11 @@ from outbox_relay.consumer.ordering import (
     WAITING,
     AggregateKey,
     Delivery,
+    HandlerFailure,
     Ledger,
     Outcome,
     Receipt,
+    RedoClaim,
     RetryState,
     aggregate_key,
     decide_batch,
@@ -110,12 +112,14 @@ def claim(
     whole claim (``UnavailableError``: retried); any other error raised in a handler, a bad
     statement or a statement timeout included, is that handler's failure.
 
-    Optimistic path: the batch's handlers run inside ONE savepoint (a savepoint per handler
-    cost two round trips per event, most of a claim's time). If a handler raises, that
-    savepoint rolls back, callbacks scheduled with ``Handlers.after_commit`` are dropped, and
-    the batch is decided again with a savepoint per handler; the entry whose handler raised is
-    ``failed`` without running again (and blocks its later strict deliveries, as on the
-    per-handler path). So the outcomes are those of the per-handler path.
+    Optimistic path: the batch's handlers run with no savepoint at all (a savepoint per
+    handler cost two round trips per event, most of a claim's time; one for the batch still
+    two per claim). Nothing is written before them (the fence, the locks and the lookup only
+    read), so if a handler raises, the whole transaction rolls back, callbacks scheduled with
+    ``Handlers.after_commit`` are dropped, and the batch is claimed again in a new transaction
+    (fence, locks and lookup read again) with a savepoint per handler; the entry whose handler
+    raised is ``failed`` without running again (and blocks its later strict deliveries, as on
+    the per-handler path). So the outcomes are those of the per-handler path.
     Consequence for handler authors: a handler that ran *before* a failing neighbour in its
     batch runs twice in that claim; only the second run's writes commit. Effects outside
     ``conn`` belong in ``after_commit`` (delivery is at least once anyway).
@@ -124,30 +128,47 @@ def claim(
         return []
     args = (group, batch, handlers, set(blocked or ()), check, retry, now)
     with translate_errors():
-        if handlers.has_async:  # the same claim, on an async engine (consumer/async_handlers)
-            outcomes, ledger = async_handlers.run_in_transaction(engine, _claim_in, *args)
-        else:
-            with engine.begin() as conn:
-                outcomes, ledger = _claim_in(conn, *args)
+        try:
+            outcomes, ledger = _in_transaction(engine, handlers, args, None)
+            failure = None
+        except RedoClaim as redo:  # rolled back; claimed again outside this block
+            failure = redo.failure
+        if failure is not None:
+            outcomes, ledger = _in_transaction(engine, handlers, args, failure)
     if blocked is not None:
         blocked |= ledger.blocked
     return outcomes
 
 
+def _in_transaction(
+    engine: Engine, handlers: Handlers, args: tuple[Any, ...], failure: HandlerFailure | None,
+) -> tuple[list[Outcome], Ledger]:
+    """:func:`_claim_in` in a transaction of its own, on the async engine when a handler is
+    async (consumer/async_handlers: the same claim)."""
+    if handlers.has_async:
+        return async_handlers.run_in_transaction(engine, _claim_in, *args, failure=failure)
+    with engine.begin() as conn:
+        return _claim_in(conn, *args, failure=failure)
+
+
 def _claim_in(
     conn: Connection, group: str, batch: list[Delivery], handlers: Handlers,
     blocked: set[AggregateKey], check: Callable[[Connection], None] | None,
-    retry: Retry | None, now: int | None,
+    retry: Retry | None, now: int | None, *, failure: HandlerFailure | None = None,
 ) -> tuple[list[Outcome], Ledger]:
-    """The body of :func:`claim`, in the transaction of ``conn``."""
+    """The body of :func:`claim`, in the transaction of ``conn``: everything before the
+    handlers only reads (so the optimistic path needs no savepoint); ``failure``: the
+    optimistic attempt's, in the claim done again."""
     if check is not None:
         check(conn)
     if is_postgres(conn):
         _locks(conn.dialect).execute(
             conn, {"b_keys": sorted({_lock_key(group, d) for d in batch})})
     seen, heads, below, retries = _lookup(conn, group, batch)
-    ledger = Ledger(seen, heads, blocked, below, retries, now_ms() if now is None else now)
-    outcomes, ledger = decide_batch(conn, batch, ledger, handlers, group, retry)
+    ledger = Ledger(seen, heads, set(blocked), below, retries,
+                    now_ms() if now is None else now)
+    outcomes, ledger = decide_batch(conn, batch, ledger, handlers, group, retry,
+                                    savepoint=False, failure=failure)
     claim_writes.write(conn, group, outcomes, ledger)
     return outcomes, ledger
 
