@@ -333,3 +333,34 @@ def test_a_stale_read_by_a_fenced_out_consumer_is_applied_before_anything_newer(
                what="b to apply both revisions")
     assert applied_order(effects_engine) == [(rev1.id, "b"), (rev2.id, "b")]
     assert pending_total(redis_client, key_prefix) == 0
+
+
+def test_the_claims_fence_extends_the_leases_it_checks_and_names_each_one_lost(
+    effects_engine: Engine,
+) -> None:
+    """One statement on PostgreSQL (lock in key order, extend ours, return their epochs):
+    every key held at its epoch is extended; a key at another epoch or held by another
+    consumer is named lost, and the failed claim's extensions roll back with it."""
+    keys = [("fence", p) for p in range(3)]
+    held = ownership.acquire(effects_engine, "fg", "me", keys, 60_000)
+    assert sorted(held) == keys
+
+    def expiries() -> dict[tuple[str, int], int]:
+        with effects_engine.connect() as conn:
+            return {(r.stream, r.partition): r.expires_at_ms for r in conn.execute(
+                select(consumer_leases).where(consumer_leases.c.group_name == "fg"))}
+
+    before = expiries()
+    with effects_engine.begin() as conn:
+        ownership.check(conn, "fg", "me", held, ttl_ms=600_000)
+    after = expiries()
+    assert all(after[k] > before[k] + 500_000 for k in keys)
+    with effects_engine.begin() as conn:  # another consumer took fence:2 over
+        conn.execute(consumer_leases.update().where(consumer_leases.c.partition == 2,
+                                                    consumer_leases.c.stream == "fence")
+                     .values(owner="other", epoch=held[keys[2]] + 1))
+    stale = {**held, keys[1]: held[keys[1]] - 1}
+    with pytest.raises(ownership.PartitionLostError) as err, effects_engine.begin() as conn:
+        ownership.check(conn, "fg", "me", stale, ttl_ms=6_000_000)
+    assert err.value.keys == [keys[1], keys[2]]
+    assert expiries()[keys[0]] == after[keys[0]]  # rolled back with the claim

@@ -22,16 +22,32 @@ in ``(stream, partition)`` order, so a rebalance and a claim never deadlock on P
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from sqlalchemy import Connection, Engine, delete, or_, select, tuple_, update
+from sqlalchemy import (
+    BigInteger,
+    Connection,
+    Engine,
+    Integer,
+    String,
+    bindparam,
+    delete,
+    func,
+    or_,
+    select,
+    tuple_,
+    update,
+)
+from sqlalchemy.dialects import postgresql
+from sqlalchemy.engine import Dialect
 
 from outbox_relay.shared import leases as shared_leases
-from outbox_relay.shared.db import db_now_ms, is_postgres
+from outbox_relay.shared.db import DriverStatement, db_now_ms, is_postgres
 from outbox_relay.shared.db_errors import translate_errors
 from outbox_relay.shared.errors import LeaseLostError
 from outbox_relay.shared.leases import LeaseTable
@@ -129,6 +145,16 @@ def check(
     if not held:
         return
     wanted = sorted(held)
+    if is_postgres(conn):  # one statement: lock in key order, extend ours, say whose they are
+        streams, parts = zip(*wanted, strict=True)
+        ours = {(stream, partition): epoch for stream, partition, epoch in
+                _fence_statement(conn.dialect).execute(conn, {
+                    "b_group": group, "b_consumer": consumer, "b_ttl": ttl_ms,
+                    "b_streams": list(streams), "b_parts": list(parts)})}
+        lost = [k for k in wanted if ours.get(k) != held[k]]
+        if lost:
+            raise PartitionLostError(group, lost)
+        return
     where = (leases.c.group_name == group, or_(*(_row(group, k) for k in wanted)))
     query = (select(leases.c.stream, leases.c.partition, leases.c.owner, leases.c.epoch)
              .where(*where).order_by(leases.c.stream, leases.c.partition))
@@ -140,6 +166,47 @@ def check(
         raise PartitionLostError(group, lost)
     conn.execute(update(leases).where(*where, leases.c.owner == consumer)
                  .values(expires_at_ms=db_now_ms(is_postgres(conn)) + ttl_ms))
+
+
+@functools.cache
+def _fence_statement(dialect: Dialect) -> DriverStatement:
+    """:func:`check` on PostgreSQL in one statement, built once (its key arrays sent in
+    binary)::
+
+        WITH locked AS MATERIALIZED (SELECT stream, partition, owner, epoch
+            FROM <leases> JOIN unnest(:streams, :parts) … WHERE group_name = :group
+            ORDER BY stream, partition FOR UPDATE OF <leases>)
+        UPDATE <leases> SET expires_at_ms = <now> + :ttl FROM locked
+        WHERE <the same row> AND locked.owner = :consumer
+        RETURNING locked.stream, locked.partition, locked.epoch
+
+    The batch's lease rows are locked in key order (as every takeover locks them), whoever
+    holds them; ours are extended and come back with their epoch. A key that does not come
+    back, or with another epoch, is lost (the claim rolls back, the extension with it)."""
+    given = func.unnest(
+        bindparam("b_streams", type_=postgresql.ARRAY(String)),
+        bindparam("b_parts", type_=postgresql.ARRAY(Integer)),
+    ).table_valued("s", "p", name="given").render_derived()
+    group = bindparam("b_group", type_=String)
+    locked = (
+        select(leases.c.stream, leases.c.partition, leases.c.owner, leases.c.epoch)
+        .select_from(leases.join(given, (leases.c.stream == given.c.s)
+                                 & (leases.c.partition == given.c.p)))
+        .where(leases.c.group_name == group)
+        .order_by(leases.c.stream, leases.c.partition)
+        .with_for_update(of=leases)
+        .cte("locked")
+        .prefix_with("MATERIALIZED")
+    )
+    extend = (
+        update(leases)
+        .where(leases.c.group_name == group, leases.c.stream == locked.c.stream,
+               leases.c.partition == locked.c.partition,
+               locked.c.owner == bindparam("b_consumer", type_=String))
+        .values(expires_at_ms=db_now_ms(True) + bindparam("b_ttl", type_=BigInteger))
+        .returning(locked.c.stream, locked.c.partition, locked.c.epoch)
+    )
+    return DriverStatement(extend, dialect, binary=("b_streams", "b_parts"))
 
 
 def owners(engine: Engine) -> list[dict[str, Any]]:
