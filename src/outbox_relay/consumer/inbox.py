@@ -114,8 +114,9 @@ def claim(
 
     Optimistic path: the batch's handlers run with no savepoint at all (a savepoint per
     handler cost two round trips per event, most of a claim's time; one for the batch still
-    two per claim). Nothing is written before them (the fence, the locks and the lookup only
-    read), so if a handler raises, the whole transaction rolls back, callbacks scheduled with
+    two per claim). What comes before them (the fence with its lease extension, the locks, the
+    lookup) is done again by a new transaction, so if a handler raises, the whole transaction
+    rolls back, callbacks scheduled with
     ``Handlers.after_commit`` are dropped, and the batch is claimed again in a new transaction
     (fence, locks and lookup read again) with a savepoint per handler; the entry whose handler
     raised is ``failed`` without running again (and blocks its later strict deliveries, as on
@@ -156,9 +157,9 @@ def _claim_in(
     blocked: set[AggregateKey], check: Callable[[Connection], None] | None,
     retry: Retry | None, now: int | None, *, failure: HandlerFailure | None = None,
 ) -> tuple[list[Outcome], Ledger]:
-    """The body of :func:`claim`, in the transaction of ``conn``: everything before the
-    handlers only reads (so the optimistic path needs no savepoint); ``failure``: the
-    optimistic attempt's, in the claim done again."""
+    """The body of :func:`claim`, in the transaction of ``conn``: what comes before the
+    handlers is done again by a claim done again (so the optimistic path needs no savepoint);
+    ``failure``: the optimistic attempt's, in the claim done again."""
     if check is not None:
         check(conn)
     if is_postgres(conn):

@@ -211,8 +211,9 @@ def decide_batch(
     horizon).
 
     ``savepoint``: the optimistic path runs under one savepoint, and when a handler raises it
-    rolls back to it and decides again here. Without it (the claim's transaction has written
-    nothing before: consumer/inbox.py) a handler raising raises :class:`RedoClaim`, and the
+    rolls back to it and decides again here. Without it (everything the claim's transaction
+    did before is done again by a new one: consumer/inbox.py) a handler raising raises
+    :class:`RedoClaim`, and the
     caller decides again in a new transaction with its ``failure``: two statements fewer per
     claim (``SAVEPOINT``, ``RELEASE``)."""
     default = retry
