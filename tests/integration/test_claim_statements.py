@@ -10,7 +10,7 @@ from sqlalchemy import Column, Connection, Engine, MetaData, String, Table, even
 
 from outbox_relay.consumer import claim_writes, inbox
 from outbox_relay.consumer.handlers import Handlers
-from outbox_relay.shared import keys
+from outbox_relay.shared import keys, psycopg_driver
 from outbox_relay.shared.db import is_postgres
 from outbox_relay.shared.envelope import Event
 from outbox_relay.shared.schema import inbox_heads, stream_trims
@@ -118,3 +118,43 @@ def test_a_claim_sends_no_savepoint_unless_a_handler_raises(engine: Engine, size
     with engine.connect() as conn:
         written = set(conn.execute(select(_effects.c.event_id)).scalars())
     assert written == {d.event.id for d in good} | {d.event.id for d in bad[:-1]}
+
+
+def test_a_claims_writes_go_in_the_handlers_pipeline_on_postgresql(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On PostgreSQL (libpq with pipeline mode) the receipts and heads are sent while the
+    handlers' pipeline is open and nothing waits for them (no sync until the pipeline's end),
+    so they and its end are one round trip; elsewhere they are plain statements."""
+    syncs: list[str] = []
+    pg = psycopg_driver.module()
+    if pg is not None:
+        real_sync = pg.Pipeline.sync
+
+        def sync(pipeline: Any) -> None:
+            syncs.append("sync")
+            real_sync(pipeline)
+
+        monkeypatch.setattr(pg.Pipeline, "sync", sync)
+    _effects.create(engine, checkfirst=True)
+    key = keys.stream_key("claimtest", "runs", 2)
+    handlers = Handlers()
+    handlers.register("*", _effect_or_fail)
+    modes: dict[str, bool] = {}
+
+    def on_execute(conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
+        raw = conn.connection.driver_connection
+        pgconn = getattr(raw, "pgconn", None)
+        modes[" ".join(statement.split())[:30]] = bool(pgconn and pgconn.pipeline_status)
+
+    event.listen(engine, "before_cursor_execute", on_execute)
+    batch = [inbox.Delivery(key, f"30-{i}", make_event(f"p{i}", 1), 1) for i in range(3)]
+    assert {o.outcome for o in inbox.claim(engine, "pipe", batch, handlers)} == {inbox.APPLIED}
+    writes = {k: v for k, v in modes.items() if k.startswith(
+        ("INSERT INTO outbox_inbox ", "INSERT INTO outbox_inbox_heads"))}
+    assert len(writes) == 2
+    expected = is_postgres(engine) and pg is not None and bool(pg.Pipeline.is_supported())
+    assert syncs == []  # the pipeline's end is psycopg's own exit, not a sync before it
+    assert set(writes.values()) == {expected}
+    effects = [v for k, v in modes.items() if k.startswith("INSERT INTO claim_statement")]
+    assert effects == [expected]

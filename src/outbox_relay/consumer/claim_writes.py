@@ -45,12 +45,18 @@ from outbox_relay.consumer.ordering import (
     Outcome,
     aggregate_key,
 )
-from outbox_relay.shared.db import is_postgres, json_recordset, now_ms
+from outbox_relay.shared.db import IN_FLIGHT, is_postgres, json_recordset, now_ms
 from outbox_relay.shared.db_errors import translate_errors
 from outbox_relay.shared.schema import consumer_retries, inbox, inbox_heads
 
 
-def write(conn: Connection, group: str, outcomes: list[Outcome], ledger: Ledger) -> None:
+def write(conn: Connection, group: str, outcomes: list[Outcome], ledger: Ledger, *,
+          in_flight: bool = False) -> None:
+    """Write what the claim decided. ``in_flight``: ``conn`` is in psycopg's pipeline mode
+    (the claim's optimistic path, consumer/pipelining.py) and nobody reads these statements'
+    results: they are sent and left in flight, so the claim's writes, the handlers' and the
+    end of its pipeline are one round trip; an error is raised where the pipeline ends."""
+    options = IN_FLIGHT if in_flight else None
     now = ledger.now_ms
     receipts = [
         {
@@ -72,22 +78,23 @@ def write(conn: Connection, group: str, outcomes: list[Outcome], ledger: Ledger)
         if o.outcome in (APPLIED, SUPERSEDED, DEAD) and o.error != CONFLICTING_DUPLICATE
     ]
     if receipts:
-        _insert_receipts(conn, receipts)
+        _insert_receipts(conn, receipts, options)
     duplicates = [o.delivery.event.id for o in outcomes if o.outcome == DUPLICATE]
     if duplicates:
         conn.execute(
             update(inbox)
             .where(inbox.c.group_name == group, inbox.c.event_id == bindparam("b_id"))
             .values(duplicates=inbox.c.duplicates + 1),
-            [{"b_id": i} for i in duplicates],
+            [{"b_id": i} for i in duplicates], execution_options=options,
         )
     applied_heads = _applied_heads(outcomes)
     if applied_heads:
-        _upsert_heads(conn, group, applied_heads)
-    _write_retries(conn, group, outcomes, ledger)
+        _upsert_heads(conn, group, applied_heads, options)
+    _write_retries(conn, group, outcomes, ledger, options)
 
 
-def _write_retries(conn: Connection, group: str, outcomes: list[Outcome], ledger: Ledger) -> None:
+def _write_retries(conn: Connection, group: str, outcomes: list[Outcome], ledger: Ledger,
+                   options: dict[str, Any] | None = None) -> None:
     """Upsert the retry row of every ``failed`` event that retries (its attempts and next
     attempt time); delete the rows of events this claim settled (applied, dead, superseded,
     duplicate). A replay's failure writes none: its letter, not a pending entry, is its
@@ -107,12 +114,14 @@ def _write_retries(conn: Connection, group: str, outcomes: list[Outcome], ledger
             index_elements=["group_name", "event_id"],
             set_={c: ins.excluded[c] for c in ("stream_key", "entry_id", "attempts",
                                                "next_attempt_at_ms", "last_error",
-                                               "updated_at_ms")}), rows)
+                                               "updated_at_ms")}), rows,
+            execution_options=options)
     settled = [o.delivery.event.id for o in outcomes
                if o.outcome not in (FAILED, WAITING) and o.delivery.event.id in ledger.retries]
     if settled:
         conn.execute(consumer_retries.delete().where(r.group_name == group,
-                                                     r.event_id.in_(settled)))
+                                                     r.event_id.in_(settled)),
+                     execution_options=options)
 
 
 def _applied_heads(outcomes: Iterable[Outcome]) -> dict[tuple[str, str], int]:
@@ -132,7 +141,8 @@ _RECEIPT_COLUMNS = (
 )
 
 
-def _insert_receipts(conn: Connection, receipts: list[dict[str, Any]]) -> None:
+def _insert_receipts(conn: Connection, receipts: list[dict[str, Any]],
+                     options: dict[str, Any] | None = None) -> None:
     """Insert a batch's receipts: one statement on PostgreSQL, ``executemany`` on SQLite.
 
     On PostgreSQL ``INSERT … SELECT … FROM json_to_recordset(:rows)``
@@ -149,6 +159,7 @@ def _insert_receipts(conn: Connection, receipts: list[dict[str, Any]]) -> None:
             "b_group": receipts[0]["group_name"],
             "b_now": receipts[0]["created_at_ms"],
         },
+        execution_options=options,
     )
 
 
@@ -165,7 +176,8 @@ def _receipts_query() -> Any:
     return inbox.insert().from_select(["group_name", *_RECEIPT_COLUMNS, "created_at_ms"], rows)
 
 
-def _upsert_heads(conn: Connection, group: str, heads: dict[tuple[str, str], int]) -> None:
+def _upsert_heads(conn: Connection, group: str, heads: dict[tuple[str, str], int],
+                  options: dict[str, Any] | None = None) -> None:
     """Raise each aggregate's applied revision (never lower it); keys are distinct. A raised
     head's ``updated_at_ms`` is now (retention prunes heads that stopped moving)."""
     ordered = sorted(heads.items())
@@ -179,7 +191,7 @@ def _upsert_heads(conn: Connection, group: str, heads: dict[tuple[str, str], int
     conn.exec_driver_sql(_heads_sql(conn.dialect), {
         "b_group": group, "b_now": now,
         "b_heads": json.dumps([{"t": t, "i": i, "r": r} for (t, i), r in ordered]),
-    })
+    }, execution_options=options)
 
 
 @functools.cache

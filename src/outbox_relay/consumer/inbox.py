@@ -168,10 +168,10 @@ def _claim_in(
     seen, heads, below, retries = _lookup(conn, group, batch)
     ledger = Ledger(seen, heads, set(blocked), below, retries,
                     now_ms() if now is None else now)
-    outcomes, ledger = decide_batch(conn, batch, ledger, handlers, group, retry,
-                                    savepoint=False, failure=failure)
-    claim_writes.write(conn, group, outcomes, ledger)
-    return outcomes, ledger
+    return decide_batch(
+        conn, batch, ledger, handlers, group, retry, savepoint=False, failure=failure,
+        then=lambda outcomes, decided, in_flight: claim_writes.write(
+            conn, group, outcomes, decided, in_flight=in_flight))
 
 
 def next_attempt_ms(outcomes: Iterable[Outcome]) -> int | None:

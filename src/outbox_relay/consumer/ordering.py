@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -203,6 +204,7 @@ def decide_batch(
     conn: Connection, batch: list[Delivery], ledger: Ledger, handlers: Handlers,
     group: str = "", retry: Retry | None = None, *, savepoint: bool = True,
     failure: HandlerFailure | None = None,
+    then: Callable[[list[Outcome], Ledger, bool], None] | None = None,
 ) -> tuple[list[Outcome], Ledger]:
     """Decide every delivery: optimistically (every handler at once), else with a savepoint
     per handler. ``group`` (the consumer group) only names the group in logs and trace
@@ -215,7 +217,15 @@ def decide_batch(
     did before is done again by a new one: consumer/inbox.py) a handler raising raises
     :class:`RedoClaim`, and the
     caller decides again in a new transaction with its ``failure``: two statements fewer per
-    claim (``SAVEPOINT``, ``RELEASE``)."""
+    claim (``SAVEPOINT``, ``RELEASE``).
+
+    ``then(outcomes, ledger, in_flight)``: the claim's writes, called once with what was
+    decided. Without a savepoint, on the optimistic path, inside its pipeline (``in_flight``:
+    psycopg's pipeline mode is on, results are not to be read), so the handlers' inserts, the
+    writes and the pipeline's end are one round trip; an error that surfaces at that end is
+    the optimistic path's failure, as a handler's insert in flight failing always was (the
+    claim done again writes with nothing in flight, so an error of the writes themselves
+    raises there, as itself)."""
     default = retry
     # Whether handlers run in trace spans, asked once per claim: while no tracer provider is
     # set, OpenTelemetry's check reads the environment on every call.
@@ -231,11 +241,18 @@ def decide_batch(
                                     deferred=deferred, spans=spans) for d in batch]
                 deferred.flush(conn)
                 try:
+                    if then is not None and not savepoint:
+                        then(outcomes, trial, pipe.on)  # may meet an insert in flight failing
+                        then = None
                     pipe.finish()
                 except Exception as err:  # an insert in flight failed: whose is not known
+                    if not pipe.on:
+                        raise  # the writes' own error, nothing was in flight
                     _raise_if_claim_lost(conn, err)
                     raise HandlerFailure(None, err) from err
-                return outcomes, trial
+            if then is not None:
+                then(outcomes, trial, False)
+            return outcomes, trial
         except HandlerFailure as caught:
             failure = caught
         # Redone outside the ``except`` block: another handler failing in the redo must not
@@ -244,13 +261,17 @@ def decide_batch(
         if not savepoint:
             raise RedoClaim(failure)
     if failure is not None:
-        return [
+        outcomes = [
             _decide(conn, d, ledger, handlers, True, group, default,
                     failed=failure.err if d is failure.delivery else None, spans=spans)
             for d in batch
-        ], ledger
-    return [_decide(conn, d, ledger, handlers, True, group, default, spans=spans)
-            for d in batch], ledger
+        ]
+    else:
+        outcomes = [_decide(conn, d, ledger, handlers, True, group, default, spans=spans)
+                    for d in batch]
+    if then is not None:
+        then(outcomes, ledger, False)
+    return outcomes, ledger
 
 
 def _decide(

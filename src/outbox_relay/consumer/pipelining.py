@@ -6,9 +6,15 @@ claim's time with such a handler (``bench/PERFORMANCE.md``, issue 23). On the op
 claim's connection is put in pipeline mode, so such inserts are sent and the next handler runs
 at once; the batch's results are read at its end (:meth:`Pipelined.finish`).
 
-What is left in flight: only a plain one-row ``INSERT … VALUES`` without ``RETURNING``, ``ON
-CONFLICT`` or ``SELECT`` (:data:`_PLAIN_INSERT`; Core or ``text()``): its result says nothing a
-handler could read but its row count, which is 1 when it succeeds, and is reported so. Every other
+The claim itself uses it too, for its own statements whose results it does not read (run
+with :data:`shared.db.IN_FLIGHT`): its advisory locks go with its lookup, and its writes
+(receipts, heads, retries) go together before the commit, one round trip each instead of one
+per statement (consumer/inbox.py, consumer/claim_writes.py).
+
+What is left in flight of a handler's statements: only a plain one-row ``INSERT … VALUES``
+without ``RETURNING``, ``ON CONFLICT`` or ``SELECT`` (:data:`_PLAIN_INSERT`; Core or
+``text()``): its result says nothing a handler could read but its row count, which is 1 when
+it succeeds, and is reported so. Every other
 statement — a ``SELECT``, an ``UPDATE`` or ``DELETE`` whose row count a handler reads, an
 insert returning its generated key, ``ON CONFLICT``, ``executemany``, text SQL, a savepoint —
 waits for every result before the handler gets its own: it reads exactly what it would read
@@ -45,18 +51,29 @@ _ACTIVE: dict[int, psycopg.Pipeline] = {}
 class Pipelined:
     """The optimistic path's pipeline on one connection (``on`` False: none was opened)."""
 
-    def __init__(self, pipeline: psycopg.Pipeline | None) -> None:
-        self._pipeline = pipeline
+    def __init__(self, pipeline: psycopg.Pipeline | None = None, raw: Any = None,
+                 manager: AbstractContextManager[psycopg.Pipeline] | None = None) -> None:
+        self._pipeline, self._raw, self._manager = pipeline, raw, manager
+        self.done = pipeline is None
 
     @property
     def on(self) -> bool:
         return self._pipeline is not None
 
     def finish(self) -> None:
-        """Wait for every result still in flight; an insert's failure raises here, as the
-        SQLAlchemy error a handler would have seen (so the claim judges it the same way)."""
-        if self._pipeline is not None:
-            _sync(self._pipeline)
+        """Wait for every result still in flight and leave pipeline mode (one round trip:
+        psycopg's own end of the pipeline, a sync); an insert's failure raises here, as the
+        SQLAlchemy error a handler would have seen (so the claim judges it the same way).
+        Statements after it in the block are not pipelined."""
+        if self.done:
+            return
+        self.done = True
+        _ACTIVE.pop(id(self._raw), None)
+        assert self._manager is not None
+        try:
+            self._manager.__exit__(None, None, None)
+        except psycopg_driver.error_type() as err:
+            raise psycopg_driver.translated(err) from err
 
 
 @contextmanager
@@ -73,22 +90,20 @@ def pipelined(conn: Connection, enabled: bool = True) -> Iterator[Pipelined]:
     manager: AbstractContextManager[psycopg.Pipeline] = raw.pipeline()
     pipeline = manager.__enter__()
     _ACTIVE[id(raw)] = pipeline
+    handle = Pipelined(pipeline, raw, manager)
     try:
-        yield Pipelined(pipeline)
+        yield handle
     except BaseException:
-        _ACTIVE.pop(id(raw), None)
-        # Read the results in flight (their errors are the redo's to find again) and leave
-        # pipeline mode; the exception being raised says more (a lost connection raises again).
-        with suppress(psycopg_driver.error_type()):
-            pipeline.sync()
-        with suppress(psycopg_driver.error_type()):
-            manager.__exit__(None, None, None)
+        if not handle.done:
+            handle.done = True
+            _ACTIVE.pop(id(raw), None)
+            # Leave pipeline mode reading the results in flight (their errors are the redo's
+            # to find again); the exception being raised says more (a lost connection raises
+            # again).
+            with suppress(psycopg_driver.error_type()):
+                manager.__exit__(None, None, None)
         raise
-    _ACTIVE.pop(id(raw), None)
-    try:
-        manager.__exit__(None, None, None)
-    except psycopg_driver.error_type() as err:
-        raise psycopg_driver.translated(err) from err
+    handle.finish()
 
 
 def _listen(engine: Engine) -> None:
@@ -103,6 +118,8 @@ def _after_cursor_execute(conn: Connection, cursor: Any, statement: str, paramet
     pipeline = _ACTIVE.get(id(cursor.connection))
     if pipeline is None:
         return
+    if context is not None and context.execution_options.get("outbox_in_flight"):
+        return  # the claim's own statement: nobody reads its result (shared.db.IN_FLIGHT)
     if not executemany and _PLAIN_INSERT.match(statement):
         if context is not None:
             context._rowcount = 1  # what the insert reports once it succeeded (else: redone)
@@ -119,10 +136,3 @@ _PLAIN_INSERT = re.compile(
 SQLAlchemy sends it (Core or ``text()``: ``%(name)s`` placeholders): no ``RETURNING``, ``ON
 CONFLICT`` or ``SELECT``, one row of plain values (a function call's parentheses, a quoted
 literal, a second row: not plain, the statement waits — slower, never wrong)."""
-
-
-def _sync(pipeline: psycopg.Pipeline) -> None:
-    try:
-        pipeline.sync()
-    except psycopg_driver.error_type() as err:
-        raise psycopg_driver.translated(err) from err

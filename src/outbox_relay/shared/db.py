@@ -271,6 +271,12 @@ def json_recordset(name: str, *columns: ColumnClause[Any]) -> TableValuedAlias:
     )
 
 
+IN_FLIGHT: dict[str, Any] = {"outbox_in_flight": True}
+"""Execution options of a statement whose result nobody reads (a write, a lock): on a
+connection in psycopg's pipeline mode (consumer/pipelining.py) it is sent and left in flight,
+and its errors are raised when the pipeline is next read. Anywhere else it changes nothing."""
+
+
 class DriverStatement:
     """A Core statement compiled once for ``Connection.exec_driver_sql``, with the values of
     its literal parameters (a ``LIMIT 1``, a constant): what a hot statement costs in Python
@@ -299,12 +305,17 @@ class DriverStatement:
         # A positional driver (SQLite's ``?``) takes the values in the statement's order.
         self.order = tuple(compiled.positiontup or ()) if compiled.positional else None
 
-    def execute(self, conn: Connection, params: dict[str, Any]) -> CursorResult[Any]:
-        """Run it in ``conn``'s transaction with ``params`` (the literal values added)."""
+    def execute(
+        self, conn: Connection, params: dict[str, Any], *, in_flight: bool = False
+    ) -> CursorResult[Any]:
+        """Run it in ``conn``'s transaction with ``params`` (the literal values added);
+        ``in_flight``: nobody reads its result (:data:`IN_FLIGHT`)."""
         given = {**self.defaults, **params}
+        options = IN_FLIGHT if in_flight else None
         if self.order is None:
-            return conn.exec_driver_sql(self.sql, given)
-        return conn.exec_driver_sql(self.sql, tuple(given[name] for name in self.order))
+            return conn.exec_driver_sql(self.sql, given, execution_options=options)
+        return conn.exec_driver_sql(self.sql, tuple(given[name] for name in self.order),
+                                    execution_options=options)
 
 
 def delete_in_batches(
