@@ -82,3 +82,34 @@ def test_handlers_before_a_failure_run_again_but_commit_once(engine: Engine) -> 
     # pass ran c0 again in its own savepoint and marked c1 failed without running it again.
     assert calls == [events[0].id, events[1].id, events[0].id]
     assert effect_counts(engine) == {events[0].id: 1, events[2].id: 1}
+
+
+@pytest.mark.parametrize("pipeline", [True, False])
+@pytest.mark.parametrize("size", [1, 3])
+def test_a_handler_that_swallows_its_own_database_error_fails_alone(
+    engine: Engine, pipeline: bool, size: int
+) -> None:
+    """On PostgreSQL a refused statement fails the whole transaction, caught or not: the
+    handler that swallowed it cannot be applied, and the claim must say so (``failed``, its
+    neighbours applied) instead of failing whole and being retried forever. SQLite keeps the
+    transaction usable: the handler is applied."""
+    from contextlib import suppress
+
+    from sqlalchemy import exc, text
+
+    create_effects(engine)
+
+    def careless(conn: Connection, ev: Event) -> None:
+        record_effect(conn, ev)
+        if ev.aggregateid == "careless":  # its last statement: nothing after it fails in it
+            with suppress(exc.DBAPIError):  # "already done", it thinks
+                conn.execute(text("INSERT INTO no_such_table (x) VALUES (1)"))
+
+    handlers = Handlers(pipeline=pipeline)
+    handlers.register("*", careless)
+    events = [event(f"fine{i}", 1) for i in range(size - 1)] + [event("careless", 1)]
+    outcomes = inbox.claim(engine, "swallow", deliveries(events), handlers)
+    postgres = engine.dialect.name == "postgresql"
+    assert [o.outcome for o in outcomes] == [inbox.APPLIED] * (size - 1) + [
+        inbox.FAILED if postgres else inbox.APPLIED]
+    assert effect_counts(engine) == {ev.id: 1 for ev in events[: size - 1 if postgres else size]}

@@ -22,6 +22,8 @@ from sqlalchemy import Engine
 from outbox_relay.relay import append, repair, repair_store, store, stream_book, trim
 from outbox_relay.relay.daemon import Relay
 from outbox_relay.shared import keys
+from outbox_relay.shared.db import now_ms
+from outbox_relay.shared.errors import UnavailableError
 from outbox_relay.shared.settings import RelaySettings
 from tests.conftest import REDIS_URL
 from tests.helpers import enqueue_numbered, let_die, undelivered
@@ -137,8 +139,56 @@ def test_the_screen_takes_a_stream_in_step_for_in_step_while_appends_land_betwee
         assert relay.repairer.screen(dict(relay.leases)) is False
     assert not asked and not relay.repairer.due(1e18)
     assert relay.repairer.stats.checks == checks + 3
-    # Floors only rise: the appends raised it to the newest entry, the screens left it there.
+    # The appends raised the floor to the newest entry; the screens write no floor.
     assert relay.repairer.floors[_key(key_prefix)] == _ids(redis_client, _key(key_prefix))[-1]
+    relay.stop()
+
+
+def test_the_screen_asks_for_a_foreign_top_ahead_of_the_clock_only(
+    engine: Engine, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    """A foreign entry above the relay's ids but behind the clock halts nothing (the next ids
+    pass it; the full check leaves it too): asking for the full check would run it every
+    interval. One ahead of the clock halts the partition: the full check moves it."""
+    _enqueue(engine, key_prefix, 0, 5)
+    relay = Relay(_settings(engine, key_prefix), engine, redis_client)
+    relay.run_once()
+    key = _key(key_prefix)
+    last_ms = int(_ids(redis_client, key)[-1].split("-")[0])
+    redis_client.xadd(key, {"x": "behind the clock"}, id=f"{last_ms}-999999")
+    assert relay.repairer.screen(dict(relay.leases)) is False
+    ahead = now_ms() + 600_000
+    redis_client.xadd(key, {"x": "ahead of the clock"}, id=f"{ahead}-0")
+    assert relay.repairer.screen(dict(relay.leases)) is True
+    relay.run_once()  # the full check moves it to the dead-letter stream
+    assert _ids(redis_client, key)[-1] == f"{last_ms}-999999"
+    assert relay.repairer.stats.foreign_entries == 1
+    relay.stop()
+
+
+def test_a_full_check_that_fails_is_asked_for_again(
+    engine: Engine, redis_client: redis.Redis, key_prefix: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _enqueue(engine, key_prefix, 0, 5)
+    relay = Relay(_settings(engine, key_prefix), engine, redis_client)
+    relay.run_once()
+    repairer = relay.repairer
+    repairer.check_soon(("elsewhere", 0))
+    failures = iter([UnavailableError("the database is unavailable")])
+
+    def counts(*_args: Any) -> Any:
+        for err in failures:
+            raise err
+        return {}
+
+    monkeypatch.setattr(repair_store, "delivered_counts", counts)
+    with pytest.raises(UnavailableError):
+        repairer.maybe_run(dict(relay.leases))
+    assert repairer.due(0.0) and repairer._asked == {("elsewhere", 0)}
+    checks = repairer.stats.checks
+    repairer.maybe_run(dict(relay.leases))
+    assert repairer.stats.checks == checks + 1 and not repairer.due(1e18)
+    assert repairer._asked == set()
     relay.stop()
 
 

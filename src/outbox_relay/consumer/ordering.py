@@ -37,7 +37,7 @@ from sqlalchemy import exc as sa_exc
 from outbox_relay.consumer.handlers import BatchHandler, Handler, Handlers
 from outbox_relay.consumer.pipelining import pipelined
 from outbox_relay.consumer.retry import PermanentError, Retry, judge
-from outbox_relay.shared import tracing
+from outbox_relay.shared import psycopg_driver, tracing
 from outbox_relay.shared.db import is_postgres
 from outbox_relay.shared.envelope import Event, fingerprint
 from outbox_relay.shared.errors import UnavailableError
@@ -242,12 +242,14 @@ def decide_batch(
                 deferred.flush(conn)
                 try:
                     if then is not None and not savepoint:
-                        then(outcomes, trial, pipe.on)  # may meet an insert in flight failing
+                        then(outcomes, trial, pipe.on)
                         then = None
                     pipe.finish()
-                except Exception as err:  # an insert in flight failed: whose is not known
-                    if not pipe.on:
-                        raise  # the writes' own error, nothing was in flight
+                except Exception as err:
+                    # An insert in flight failed, or a handler caught a database error of its
+                    # own and left the transaction failed: whose is not known. The claim done
+                    # again writes with nothing in flight and a savepoint per handler, so an
+                    # error of the writes themselves raises there as itself.
                     _raise_if_claim_lost(conn, err)
                     raise HandlerFailure(None, err) from err
             if then is not None:
@@ -395,6 +397,8 @@ def _run(
         try:
             with span:
                 handler(conn, event)
+                if not pipelined:
+                    _check_usable(conn)
         except Exception as err:
             _raise_if_claim_lost(conn, err)
             known = not (pipelined and isinstance(err, exc.DBAPIError))
@@ -403,10 +407,29 @@ def _run(
     try:
         with conn.begin_nested(), span:
             handler(conn, event)
+            _check_usable(conn)
     except Exception as err:  # the handler's own failure: only its savepoint rolls back
         _raise_if_claim_lost(conn, err)
         return err
     return None
+
+
+class HandlerLeftTransactionFailed(Exception):
+    """A handler returned after a statement of its failed (it caught the database's error):
+    PostgreSQL refuses every later statement of the transaction, so it is that handler's
+    failure (its savepoint rolls back), not the claim's."""
+
+
+def _check_usable(conn: Connection) -> None:
+    """Raise :class:`HandlerLeftTransactionFailed` when the handler just run left the
+    PostgreSQL transaction failed (psycopg's transaction status; other drivers: nothing)."""
+    pg = psycopg_driver.module()
+    if pg is None or not is_postgres(conn):
+        return
+    info = getattr(conn.connection.driver_connection, "info", None)
+    if info is not None and info.transaction_status == pg.pq.TransactionStatus.INERROR:
+        raise HandlerLeftTransactionFailed(
+            "the handler caught a database error and returned; the transaction cannot go on")
 
 
 _NO_SPAN: contextlib.AbstractContextManager[None] = contextlib.nullcontext()

@@ -311,13 +311,12 @@ def append(
         for (key, sub), answer in zip(subs.items(), answers, strict=True):
             newest = _classify(sub, answer, verdicts)
             if newest is not None:
-                raise_floor(floors, key, newest)
+                _raise_floor(floors, key, newest)
     return verdicts
 
 
-def raise_floor(floors: dict[str, str], key: str, newest: str) -> None:
-    """Raise ``floors[key]`` to ``newest``, an id Redis now holds, unless it is above it
-    (called from the append thread and the repair check's, never lowering a floor)."""
+def _raise_floor(floors: dict[str, str], key: str, newest: str) -> None:
+    """Raise ``floors[key]`` to ``newest``, an id Redis now holds, unless it is above it."""
     if key not in floors or entry_ids.greater(newest, floors[key]):
         floors[key] = newest
 

@@ -322,6 +322,12 @@ def settle_foreign(
     return len(foreign), "moved"
 
 
+def _ahead_of_us(top: str, last: str) -> bool:
+    """A stream's last id above every id the relay assigned and ahead of the clock: what
+    :func:`settle_foreign` acts on (a foreign top behind the clock halts nothing)."""
+    return entry_ids.greater(top, last) and entry_ids.parse(top)[0] >= now_ms()
+
+
 def _nothing() -> None:
     """No one to tell (a Repairer without a relay loop)."""
 
@@ -386,9 +392,14 @@ class Repairer:
         new = any(self._checked.get(p) != e for p, e in leases.items())
         if (time.monotonic() < self._next_check and not new) or not leases:
             return 0
-        # Disarmed before the check: one asked for while it runs runs again next round.
+        # Disarmed before the check: one asked for while it runs runs again next round; one
+        # that fails (the database or Redis unavailable) is asked for again.
         self._next_check = math.inf
-        added = self.run(leases)
+        try:
+            added = self.run(leases)
+        except BaseException:
+            self._next_check = 0.0
+            raise
         self._checked = dict(leases)
         return added
 
@@ -403,7 +414,12 @@ class Repairer:
         at least what was delivered (:func:`behind` is None) and no id above the last
         assigned id read after it; a stream found behind or with a foreign top asks for
         :meth:`run` at the next round, which reads again on the relay thread and repairs.
-        A stream in step raises its floor to the newest delivered id (never lowers it)."""
+        It writes nothing, floors included (the appends raise them, the full check sets them):
+        a floor written from this thread could land below one an append just raised.
+
+        A top above the last assigned id counts only when it is ahead of the clock: one behind
+        it halts nothing (the relay's next ids pass it) and the full check would leave it, as
+        :func:`settle_foreign` does, so asking for it would run that check every interval."""
         if not leases:
             return False
         self.stats.checks += 1  # as a full check: what operators count is "checked"
@@ -414,12 +430,10 @@ class Repairer:
             key = keys.stream_key(self.settings.key_prefix, stream, partition)
             state = streams.stream_state(self.client, key)
             last = repair_store.last_assigned(self.engine, partition)
-            if behind(delivered, newest, state) is not None or entry_ids.greater(state.top, last):
+            if behind(delivered, newest, state) is not None or _ahead_of_us(state.top, last):
                 log.debug("repair check: %s needs a look on the relay thread", key)
                 self.check_soon()
                 return True
-            if newest is not None:
-                append.raise_floor(self.floors, key, newest)
         return False
 
     def run(self, leases: dict[int, int]) -> int:
@@ -433,7 +447,7 @@ class Repairer:
         self.stats.checks += 1
         counts = repair_store.delivered_counts(self.engine, sorted(leases))
         self.streams = set(counts)
-        asked, self._asked = self._asked, set()
+        asked = set(self._asked)  # forgotten once this check has run (not if it fails)
         for pair in asked:
             if pair[1] in leases:
                 counts.setdefault(pair, 0)
@@ -459,6 +473,7 @@ class Repairer:
             if finding.reason is None:
                 continue
             added += self._repair_one(finding, leases[partition])
+        self._asked -= asked
         return added
 
     def _repair_one(self, finding: Finding, epoch: int) -> int:
