@@ -187,6 +187,12 @@ def assert_sent_once(engine: Engine, client: redis.Redis, prefix: str, ids: list
     assert_all_marked(engine, client, prefix)
 
 
+def assert_sent_under(engine: Engine, taken: dict[tuple[int, int], str], later: list[str]) -> None:
+    """Every event of ``later`` went out under the entry id the settle recorded for it."""
+    assert all(r.entry_id == taken[r.partition, r.seq] for r in outbox_rows(engine)
+               if r.event_id in later)
+
+
 def test_rows_committed_while_a_round_appends_are_taken_by_its_settle_for_the_next_round(
     engine: Engine, redis_client: redis.Redis, key_prefix: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -203,8 +209,7 @@ def test_rows_committed_while_a_round_appends_are_taken_by_its_settle_for_the_ne
     fenced = [t for t in transactions if any(is_fence(s) for s in t)]
     assert len(fenced) == 1  # no take transaction: the settle's only (which finds no more)
     assert not busy and relay.stats.delivered == 40
-    assert all(r.entry_id == taken[r.partition, r.seq] for r in outbox_rows(engine)
-               if r.event_id in later)  # appended under the ids the settle recorded
+    assert_sent_under(engine, taken, later)
     assert_sent_once(engine, redis_client, key_prefix, ids)
     assert recorded_ids(engine) == {}
 
@@ -220,8 +225,7 @@ def test_a_batch_a_settle_took_is_retried_by_id_when_its_relay_dies_before_appen
 
     Relay(relay_settings(key_prefix, node_id="b"), engine, redis_client).run(until_idle=True)
 
-    assert all(r.entry_id == taken[r.partition, r.seq] for r in outbox_rows(engine)
-               if r.event_id in later)
+    assert_sent_under(engine, taken, later)
     assert_sent_once(engine, redis_client, key_prefix, ids)
 
 
@@ -243,8 +247,7 @@ def test_a_relay_that_wins_its_leases_back_retries_what_its_settle_took_by_id(
 
     assert all(relay.leases[p] == old[p] + 1 for p in old)  # under new epochs
     assert undelivered(engine) == 0 and recorded_ids(engine) == {}
-    assert all(r.entry_id == taken[r.partition, r.seq] for r in outbox_rows(engine)
-               if r.event_id in later)  # the old epoch's batches, retried by id
+    assert_sent_under(engine, taken, later)  # the old epoch's batches, retried by id
     assert_sent_once(engine, redis_client, key_prefix, ids)
 
 
