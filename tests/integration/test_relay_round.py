@@ -32,14 +32,25 @@ pytestmark = pytest.mark.integration
 TTL = 10_000
 
 
-def fenced_transactions(engine: Engine) -> list[list[str]]:
-    """Record, per committed transaction, the statements it ran; the returned list fills as
-    transactions commit."""
+def fenced_transactions(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> list[list[str]]:
+    """Record, per committed transaction, the statements it ran (through SQLAlchemy, and the
+    pipelined settle's, sent on psycopg's connection itself: ``store._send``); the returned
+    list fills as transactions commit."""
     done: list[list[str]] = []
     current: list[str] = []
 
     def on_execute(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
         current.append(" ".join(statement.split()))
+
+    send = store._send
+
+    def sent(raw: Any, statement: Any, params: dict[str, Any]) -> Any:
+        on_execute(None, None, statement.sql)
+        return send(raw, statement, params)
+
+    monkeypatch.setattr(store, "_send", sent)
 
     def on_commit(_conn: Any) -> None:
         done.append(current.copy())
@@ -66,12 +77,12 @@ def relay_holding_everything(engine: Engine, client: redis.Redis, prefix: str) -
 
 
 def test_a_round_takes_and_settles_all_its_partitions_in_one_transaction_each(
-    engine: Engine, redis_client: redis.Redis, key_prefix: str
+    engine: Engine, redis_client: redis.Redis, key_prefix: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     ids = enqueue_events(engine, 24, aggregates=8)  # a few rows in every partition
     assert {r.partition for r in outbox_rows(engine)} == set(range(PARTITIONS))
     relay = relay_holding_everything(engine, redis_client, key_prefix)
-    transactions = fenced_transactions(engine)
+    transactions = fenced_transactions(engine, monkeypatch)
 
     busy = relay.run_once()
 
@@ -196,13 +207,13 @@ def assert_sent_under(engine: Engine, taken: dict[tuple[int, int], str], later: 
 def test_rows_committed_while_a_round_appends_are_taken_by_its_settle_for_the_next_round(
     engine: Engine, redis_client: redis.Redis, key_prefix: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    transactions = fenced_transactions(engine)
+    transactions = fenced_transactions(engine, monkeypatch)
     relay, ids, later = a_round_taking_for_the_next(engine, redis_client, key_prefix,
                                                      monkeypatch)
     fenced = [t for t in transactions if any(is_fence(s) for s in t)]
     assert len(fenced) == 2 and any(s.startswith("SELECT") for s in fenced[1])
     taken = recorded_ids(engine)
-    transactions.clear()
+    transactions = fenced_transactions(engine, monkeypatch)  # the round's patches are undone
 
     busy = relay.run_once()
 
@@ -278,7 +289,7 @@ def test_a_round_that_starts_with_housekeeping_takes_its_own_rows_after_it(
         return real(*args, **kwargs)
 
     monkeypatch.setattr(append, "append", lease_round_due_after_append)
-    transactions = fenced_transactions(engine)
+    transactions = fenced_transactions(engine, monkeypatch)
 
     assert not relay.run_once()  # nothing taken for the next round: it would wait
     assert relay.stats.delivered == 24 and len(pending_seqs(engine)) == 16

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -34,9 +34,10 @@ from sqlalchemy import (
     update,
 )
 from sqlalchemy.dialects import postgresql
+from sqlalchemy.engine import Dialect
 
 from outbox_relay.relay import entry_ids
-from outbox_relay.shared.db import is_postgres
+from outbox_relay.shared.db import DriverStatement, is_postgres
 from outbox_relay.shared.schema import outbox, relay_leases
 
 
@@ -235,16 +236,24 @@ def take_fresh(
         _select_sendable(conn, partition, batch_size, now, after_seq, inflight, waiting)
         if batch_size > 0 else ([], [])
     )
-    new_last = last
-    if rows:
-        ms = entry_ids.batch_ms(last, now)  # the database's clock, as leases and trims
-        batches = [*batches, *(Batch(first, end, ms) for first, end in runs)]
-        new_last = entry_ids.format_id(ms, runs[-1][1])
+    new_batches, new_last, out = new_batch(rows, runs, now, last, batches)
     if rows or force_write:
-        record(conn, partition, epoch, batches, new_last)
+        record(conn, partition, epoch, new_batches, new_last)
+    return out
+
+
+def new_batch(
+    rows: list[Any], runs: list[tuple[int, int]], now: int, last: str, batches: list[Batch]
+) -> tuple[list[Batch], str, list[OutboxRow]]:
+    """What a take of ``rows`` (their ``runs``, :func:`sendable_reads`) records and returns:
+    the lease row's batches and last assigned id afterwards, and the rows with their ids
+    ``<ms>-<seq>``, ``ms`` above every id assigned before (``last``) by the database's clock
+    ``now``. No rows: the batches and ``last`` as they were, nothing taken."""
     if not rows:
-        return []
-    ms = batches[-1].ms
+        return batches, last, []
+    ms = entry_ids.batch_ms(last, now)  # the database's clock, as leases and trims
+    batches = [*batches, *(Batch(first, end, ms) for first, end in runs)]
+    new_last = entry_ids.format_id(ms, runs[-1][1])
     out, legacy = [], False
     for r in rows:  # positional: the columns are selected in OutboxRow's field order
         if r[12] is None:
@@ -252,7 +261,7 @@ def take_fresh(
         else:
             legacy = True
             out.append(_new_row(*r[:12], r[12], True))
-    return _by_id(out) if legacy else out
+    return batches, new_last, _by_id(out) if legacy else out
 
 
 # How many times a take reads further when rows were held back. Each read is twice as long as
@@ -261,6 +270,12 @@ def take_fresh(
 # ready behind them (the reads then cost time, never progress).
 MAX_READS = 12
 SLACK = 64  # rows a read returns beyond the candidates wanted, for the blockers among them
+
+
+Read = tuple[bool, dict[str, Any]]
+"""One read of a take: whether it is the ``left_behind`` form of :func:`_read_query`, and
+its parameters."""
+Reads = Generator[Read, Sequence[Any], tuple[list[Any], list[tuple[int, int]]]]
 
 
 def _select_sendable(
@@ -272,7 +287,34 @@ def _select_sendable(
     inflight: Sequence[int],
     waiting: frozenset[str] = frozenset(),
 ) -> tuple[list[Any], list[tuple[int, int]]]:
-    """Up to ``limit`` pending rows after ``after_seq`` that may go out now, and their runs.
+    """:func:`sendable_reads`, each read run in ``conn``'s transaction."""
+    postgres = is_postgres(conn)
+    return drive(sendable_reads(partition, limit, now, after_seq, inflight, waiting),
+                 lambda read: list(conn.execute(_read_query(postgres, read[0]), read[1])))
+
+
+def drive(reads: Reads, run: Callable[[Read], Sequence[Any]]) -> tuple[
+        list[Any], list[tuple[int, int]]]:
+    """Run a take's reads (``run`` returns a read's rows) until it has its batch."""
+    try:
+        read = next(reads)
+        while True:
+            read = reads.send(run(read))
+    except StopIteration as done:
+        return done.value  # type: ignore[no-any-return]
+
+
+def sendable_reads(
+    partition: int,
+    limit: int,
+    now: int,
+    after_seq: int | None,
+    inflight: Sequence[int],
+    waiting: frozenset[str] = frozenset(),
+) -> Reads:
+    """Up to ``limit`` pending rows after ``after_seq`` that may go out now, and their runs:
+    a generator that yields each read (:data:`Read`) and is sent its rows, so a caller may
+    run the first reads of several partitions together (relay/store.py, the pipelined settle).
 
     **A row never overtakes an earlier row of its aggregate** (same stream and aggregate type
     and id): a candidate is held back while an undelivered row of its aggregate with a lower
@@ -291,7 +333,6 @@ def _select_sendable(
     blocked: set[tuple[Any, Any, Any]] = set()
     floor = after_seq if after_seq is not None else -1
     above = -1  # blockers are looked up among the rows after this seq
-    postgres = is_postgres(conn)
     for i in range(MAX_READS):
         n = (limit - len(taken) + SLACK) << i
         params: dict[str, Any] = {"b_part": partition, "b_now": now, "b_floor": floor,
@@ -299,7 +340,7 @@ def _select_sendable(
         left_behind = after_seq is not None and above < after_seq
         if left_behind:
             params.update(b_after=after_seq, b_inflight=json.dumps(list(inflight)))
-        rows = conn.execute(_read_query(postgres, left_behind), params).all()
+        rows = yield left_behind, params
         for r in rows:
             key = (r[2], r[4], r[5])
             if waiting and r[2] in waiting:  # its stream backs off: not taken, splits the run
@@ -374,8 +415,27 @@ def record(
     conn: Connection, partition: int, epoch: int, batches: list[Batch], last: str
 ) -> None:
     """Write the lease row's batch record and last assigned entry id (the caller fenced it)."""
-    conn.execute(_record_query(), {"b_part": partition, "b_epoch": epoch,
-                                   "b_inflight": _dump_batches(batches), "b_last": last})
+    conn.execute(_record_query(), record_params(partition, epoch, batches, last))
+
+
+def record_params(partition: int, epoch: int, batches: list[Batch], last: str) -> dict[str, Any]:
+    """The parameters of :func:`record`'s statement (:func:`record_statement`)."""
+    return {"b_part": partition, "b_epoch": epoch, "b_inflight": _dump_batches(batches),
+            "b_last": last}
+
+
+@functools.cache
+def record_statement(dialect: Dialect) -> DriverStatement:
+    """:func:`record`'s write compiled once for the driver: the pipelined settle
+    (relay/store.py) sends it on psycopg's connection itself."""
+    return DriverStatement(_record_query(), dialect)
+
+
+@functools.cache
+def read_statement(dialect: Dialect, left_behind: bool) -> DriverStatement:
+    """A read of :func:`sendable_reads` (:func:`_read_query`) compiled once for the driver,
+    for the pipelined settle (relay/store.py)."""
+    return DriverStatement(_read_query(dialect.name == "postgresql", left_behind), dialect)
 
 
 @functools.cache

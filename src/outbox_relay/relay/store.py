@@ -44,7 +44,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.engine import Dialect
 
-from outbox_relay.relay import leases, stream_book
+from outbox_relay.relay import leases, outgoing, stream_book
 from outbox_relay.relay.outgoing import (
     Batch,
     OutboxRow,
@@ -55,6 +55,7 @@ from outbox_relay.relay.outgoing import (
     sendable,
     take_fresh,
 )
+from outbox_relay.shared import psycopg_driver
 from outbox_relay.shared.db import DriverStatement, db_now_ms, is_postgres, json_recordset
 from outbox_relay.shared.db_errors import translate_errors
 from outbox_relay.shared.errors import LeaseLostError
@@ -347,6 +348,10 @@ def settle_batches(
     lost: list[int] = []
     taken: dict[int, list[OutboxRow]] = {}
     with translate_errors(), engine.begin() as conn:
+        raw = _pipelinable(conn, outcomes)
+        if raw is not None:
+            return _settle_pipelined(conn, raw, outcomes, node_id, ttl_ms, take=take,
+                                     batch_size=batch_size, waiting=waiting or {})
         for outcome in sorted(outcomes, key=lambda o: o.partition):
             p = outcome.partition
             try:
@@ -359,6 +364,114 @@ def settle_batches(
             if rows:
                 taken[p] = rows
     return lost, taken
+
+
+def _pipelinable(conn: Connection, outcomes: list[Settlement]) -> Any:
+    """The psycopg connection under ``conn`` when the settle of ``outcomes`` can run
+    pipelined (:func:`_settle_pipelined`): on PostgreSQL, every batch landed whole under
+    one ``ms`` (the fused fence and mark, :func:`_fence_and_mark`), with no gap, no refused
+    row and no new stream to register. Else None: the settle runs one statement at a time."""
+    if not is_postgres(conn) or any(
+        o.gaps or o.failed or o.register or _one_batch_prefix(o.delivered) is None
+        for o in outcomes
+    ):
+        return None
+    return psycopg_driver.pipelining_connection(conn)
+
+
+def _settle_pipelined(
+    conn: Connection, raw: Any, outcomes: list[Settlement], node_id: str, ttl_ms: int, *,
+    take: frozenset[int], batch_size: int, waiting: dict[int, frozenset[str]],
+) -> tuple[list[int], dict[int, list[OutboxRow]]]:
+    """:func:`settle_batches` of clean batches (:func:`_pipelinable`) with three waits on
+    the database whatever the number of partitions, instead of three per partition.
+
+    Why: at a steady trickle a round settles a few rows in each of several partitions, and
+    the settle's one-at-a-time statements (fence and mark, the next take's read, the record,
+    per partition) were most of the round, which a row committed meanwhile waits for twice
+    (bench/PERFORMANCE.md, issue 24). Here, in psycopg's pipeline mode: every partition's
+    fused fence and mark is sent, then read (one wait); every next take's first read is sent,
+    then read (one wait; a take that must read further, behind held-back rows, reads on one
+    read at a time); every record is sent, and the pipeline's end waits for them (one wait).
+
+    The statements, their order per partition and the locks they take are those of
+    :func:`_settle` (lease rows in partition order, each before its partition's rows), so
+    what it guarantees is the same: a partition whose fence fails changes nothing and is
+    returned as lost, the others commit; its next take's rows are chosen by
+    :func:`relay.outgoing.sendable_reads` at the fence's clock and recorded before the
+    commit. A database error raises here as SQLAlchemy's (the caller's
+    :func:`translate_errors` judges it), and the transaction rolls back whole."""
+    lost: list[int] = []
+    taken: dict[int, list[OutboxRow]] = {}
+    dialect = conn.dialect
+    fenced_mark = _fenced_mark(dialect)
+    ordered = sorted(outcomes, key=lambda o: o.partition)
+    try:
+        with raw.pipeline() as pipe:
+            cursors = []
+            for o in ordered:
+                params = leases.lease_params(o.partition, node_id, o.epoch, ttl_ms)
+                params.update(b_seqs=[s for s, _ in o.delivered],
+                              b_prefix=_one_batch_prefix(o.delivered))
+                cursors.append(_send(raw, fenced_mark, params))
+            pipe.sync()
+            settled: list[tuple[Settlement, str, list[Batch], int]] = []
+            for o, cursor in zip(ordered, cursors, strict=True):
+                found = cursor.fetchone()
+                if found is None:  # fenced out: nothing of it was marked
+                    lost.append(o.partition)
+                    continue
+                through = max(s for s, _ in o.delivered)
+                batches = [] if o.drop_recorded else [
+                    b for b in load_batches(found[1]) if b.first_seq > through]
+                settled.append((o, str(found[0]), batches, int(found[2])))
+            reads: dict[int, tuple[outgoing.Reads, outgoing.Read]] = {}
+            for o, _last, batches, now in settled:
+                if o.partition in take and not batches and batch_size > 0:
+                    gen = outgoing.sendable_reads(o.partition, batch_size, now, None, (),
+                                                  waiting.get(o.partition, frozenset()))
+                    reads[o.partition] = (gen, next(gen))
+            first = {p: _send(raw, outgoing.read_statement(dialect, read[0]), read[1])
+                     for p, (_gen, read) in reads.items()}
+            if first:
+                pipe.sync()
+            record = outgoing.record_statement(dialect)
+            for o, last, batches, now in settled:
+                rows: list[Any] = []
+                runs: list[tuple[int, int]] = []
+                if o.partition in reads:
+                    gen, _read = reads[o.partition]
+                    rows, runs = _read_on(raw, pipe, dialect, gen, first[o.partition])
+                batches, last, out = outgoing.new_batch(rows, runs, now, last, batches)
+                _send(raw, record, outgoing.record_params(o.partition, o.epoch, batches, last))
+                if out:
+                    taken[o.partition] = out
+    except psycopg_driver.error_type() as err:
+        raise psycopg_driver.translated(err) from err
+    return lost, taken
+
+
+def _send(raw: Any, statement: DriverStatement, params: dict[str, Any]) -> Any:
+    """Send ``statement`` on the pipelined psycopg connection; its cursor (read it after a
+    sync)."""
+    cursor = raw.cursor()
+    cursor.execute(statement.sql, {**statement.defaults, **params})
+    return cursor
+
+
+def _read_on(raw: Any, pipe: Any, dialect: Dialect, reads: outgoing.Reads,
+             cursor: Any) -> tuple[list[Any], list[tuple[int, int]]]:
+    """A take's reads from its first (already sent and synced, on ``cursor``) on: any
+    further read is sent and waited for alone (rare: rows held back filled the first)."""
+    rows = cursor.fetchall()
+    try:
+        while True:
+            left_behind, params = reads.send(rows)
+            cursor = _send(raw, outgoing.read_statement(dialect, left_behind), params)
+            pipe.sync()
+            rows = cursor.fetchall()
+    except StopIteration as done:
+        return done.value  # type: ignore[no-any-return]
 
 
 def _settle(
