@@ -10,6 +10,7 @@ import pytest
 import redis
 from sqlalchemy import Engine, event, select
 
+from outbox_relay.producer import Producer
 from outbox_relay.relay import append, outgoing, store
 from outbox_relay.relay.daemon import Relay
 from outbox_relay.relay.leases import acquire_leases
@@ -17,12 +18,14 @@ from outbox_relay.shared.errors import LeaseLostError
 from outbox_relay.shared.schema import relay_leases
 from tests.helpers import (
     PARTITIONS,
+    STREAM,
     assert_all_marked,
     assert_each_once,
     enqueue_events,
     expire_lease,
     lease_owners,
     outbox_rows,
+    partition_of,
     relay_settings,
     undelivered,
 )
@@ -298,3 +301,49 @@ def test_a_round_that_starts_with_housekeeping_takes_its_own_rows_after_it(
     monkeypatch.undo()
     relay.run(until_idle=True)
     assert_sent_once(engine, redis_client, key_prefix, ids + later)
+
+
+def test_a_settles_take_reads_on_past_held_back_rows_and_takes_another_aggregates_rows(
+    engine: Engine, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    """Two partitions settle together and take their next rows. In one, a delayed row heads
+    an aggregate whose 80 later rows are held back behind it, more than the take's first
+    read returns (batch 2 + 64 of slack): the take reads on and takes the two rows of another
+    aggregate of the partition after them, recorded under the settle's clock, and nothing of
+    the held aggregate. On PostgreSQL the settle is pipelined (relay/store.py
+    ``_settle_pipelined``): its further read is sent alone, after the first reads."""
+    ids = enqueue_events(engine, 24, aggregates=8)
+    leases = acquire_leases(engine, "a", PARTITIONS, TTL)
+    batches = {p: store.take_batch(engine, p, "a", leases[p], 100, TTL) for p in (0, 1)}
+    assert all(batches.values())
+    verdicts = {p: append.append(redis_client, key_prefix, rows, leases[p])
+                for p, rows in batches.items()}
+    held, other = aggregates_in(0, 2)
+    producer = Producer(source="tests", partitions=PARTITIONS)
+    with engine.begin() as conn:
+        producer.enqueue(conn, type="thing.happened", stream=STREAM, data={},
+                         aggregate_type="thing", aggregate_id=held, revision=1,
+                         delay_ms=3_600_000)
+        for revision in range(2, 82):
+            producer.enqueue(conn, type="thing.happened", stream=STREAM, data={},
+                             aggregate_type="thing", aggregate_id=held, revision=revision)
+        later = [producer.enqueue(conn, type="thing.happened", stream=STREAM, data={},
+                                  aggregate_type="thing", aggregate_id=other, revision=r)
+                 for r in (1, 2)]
+
+    lost, taken = store.settle_batches(engine, "a", TTL, [
+        store.Settlement(p, leases[p], verdicts[p].delivered, [], []) for p in (0, 1)],
+        take=frozenset({0, 1}), batch_size=2)
+
+    assert lost == [] and list(taken) == [0]
+    assert [r.event_id for r in taken[0]] == later
+    assert recorded_ids(engine) == {(0, r.seq): r.entry_id for r in taken[0]}
+    marked = {r.event_id for r in outbox_rows(engine) if r.delivered_at_ms is not None}
+    assert marked == {r.event_id for rows in batches.values() for r in rows}
+    assert marked < set(ids)
+
+
+def aggregates_in(partition: int, count: int) -> list[str]:
+    """``count`` aggregate ids the producer maps to ``partition``."""
+    found = (f"held-{i}" for i in range(10_000))
+    return [a for a in found if partition_of(a) == partition][:count]
