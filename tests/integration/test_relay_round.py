@@ -347,3 +347,45 @@ def aggregates_in(partition: int, count: int) -> list[str]:
     """``count`` aggregate ids the producer maps to ``partition``."""
     found = (f"held-{i}" for i in range(10_000))
     return [a for a in found if partition_of(a) == partition][:count]
+
+
+def enqueue_in(engine: Engine, partition: int, count: int, aggregate: int = 0) -> list[str]:
+    """``count`` events of one aggregate the producer maps to ``partition``."""
+    producer = Producer(source="tests", partitions=PARTITIONS)
+    aggregate_id = aggregates_in(partition, aggregate + 1)[aggregate]
+    with engine.begin() as conn:
+        return [producer.enqueue(conn, type="thing.happened", stream=STREAM, data={},
+                                 aggregate_type="thing", aggregate_id=aggregate_id,
+                                 revision=r) for r in range(1, count + 1)]
+
+
+def test_a_rounds_take_tells_idle_partitions_from_lost_ones_and_retries_recorded_batches(
+    engine: Engine, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    """One take over four held partitions: one with new rows (taken and recorded under one
+    ``ms``), one whose lease row records a batch no settle finished (its rows come back under
+    their recorded ids, nothing new taken), one idle (nothing taken, not lost) and one taken
+    over by another relay (lost, nothing of it recorded). On PostgreSQL the take is
+    pipelined (relay/store.py ``_take_pipelined``): the idle and the lost partition both
+    return no row from the fence, and only the read after it tells them apart."""
+    fresh, retried, idle, stolen = 0, 1, 2, 3
+    held = acquire_leases(engine, "a", PARTITIONS, TTL)
+    first = enqueue_in(engine, retried, 3)
+    recorded = store.take_batch(engine, retried, "a", held[retried], 100, TTL)
+    assert [r.event_id for r in recorded] == first
+    new = enqueue_in(engine, fresh, 4)
+    enqueue_in(engine, stolen, 2)
+    expire_lease(engine, stolen)
+    assert acquire_leases(engine, "b", PARTITIONS, TTL)[stolen] == held[stolen] + 1
+
+    taken, lost = store.take_batches(engine, "a", held, 100, TTL)
+
+    assert lost == [stolen] and sorted(taken) == [fresh, retried]
+    assert [(r.event_id, r.entry_id, r.retry) for r in taken[retried]] == [
+        (r.event_id, r.entry_id, True) for r in recorded]
+    assert [r.event_id for r in taken[fresh]] == new
+    assert len({r.entry_id.split("-")[0] for r in taken[fresh]}) == 1
+    ids = recorded_ids(engine)
+    assert {p for p, _seq in ids} == {fresh, retried}
+    assert all(ids[fresh, r.seq] == r.entry_id for r in taken[fresh])
+    assert sorted(held) == list(range(PARTITIONS))  # the idle one held, not lost or taken

@@ -32,11 +32,12 @@ from sqlalchemy import (
     select,
     update,
 )
+from sqlalchemy.engine import Dialect
 
 from outbox_relay.relay import entry_ids
 from outbox_relay.relay.outgoing import Batch, first_sendable, load_batches, sendable
 from outbox_relay.shared import leases
-from outbox_relay.shared.db import db_now_ms, is_postgres
+from outbox_relay.shared.db import DriverStatement, db_now_ms, is_postgres
 from outbox_relay.shared.db_errors import translate_errors
 from outbox_relay.shared.errors import LeaseLostError
 from outbox_relay.shared.leases import LeaseTable
@@ -161,6 +162,21 @@ def _lease_held(postgres: bool) -> Any:
     """Whether the lease is ours (a read), built once per dialect; parameters:
     :func:`lease_params`."""
     return select(relay_leases.c.partition).where(*_ours_bound(postgres))
+
+
+@functools.cache
+def fence_statement(dialect: Dialect, idle_skip: bool) -> DriverStatement:
+    """:func:`fence`'s statement compiled once for the driver: the pipelined take
+    (relay/store.py) sends it on psycopg's connection itself. Parameters:
+    :func:`lease_params`; its row (or none): :func:`fence`'s."""
+    return DriverStatement(_fence_query(dialect.name == "postgresql", idle_skip), dialect)
+
+
+@functools.cache
+def held_statement(dialect: Dialect) -> DriverStatement:
+    """Whether the lease is ours (a read, :func:`fence`'s test after an idle skip), compiled
+    once for the driver. Parameters: :func:`lease_params`."""
+    return DriverStatement(_lease_held(dialect.name == "postgresql"), dialect)
 
 
 @functools.cache

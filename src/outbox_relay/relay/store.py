@@ -11,7 +11,11 @@ selection of the outgoing batch, run inside a transaction opened here once the l
 :mod:`relay.repair_store` the broker data-loss repair's queries.
 
 Each public function runs one short transaction and returns plain data; none is ever held open
-across a Redis call. Every write that depends on owning a partition re-checks the lease's owner
+across a Redis call. On PostgreSQL a round's take and settle over several partitions send their
+statements in psycopg's pipeline mode (:func:`_take_pipelined`, :func:`_settle_pipelined`): the
+same statements in the same order, waited for a few times per transaction instead of three
+times per partition. They go to psycopg directly, so SQLAlchemy's engine events do not see
+them. Every write that depends on owning a partition re-checks the lease's owner
 and fencing epoch in the same transaction, so a relay that lost its lease cannot mark anything.
 The lease is fenced, and rows are marked, by the database's clock (:mod:`relay.leases`), never
 a relay host's.
@@ -127,6 +131,10 @@ def take_batches(
     taken: dict[int, list[OutboxRow]] = {}
     lost: list[int] = []
     with translate_errors(), engine.begin() as conn:
+        raw = psycopg_driver.pipelining_connection(conn) if is_postgres(conn) else None
+        if raw is not None:
+            return _take_pipelined(conn, raw, node_id, leases, batch_size, ttl_ms,
+                                   waiting or {})
         for partition in sorted(leases):
             try:
                 rows = _take(conn, partition, node_id, leases[partition], batch_size, ttl_ms,
@@ -137,6 +145,93 @@ def take_batches(
             if rows:
                 taken[partition] = rows
     return taken, lost
+
+
+def _take_pipelined(
+    conn: Connection, raw: Any, node_id: str, held: dict[int, int], batch_size: int,
+    ttl_ms: int, waiting: dict[int, frozenset[str]],
+) -> tuple[dict[int, list[OutboxRow]], list[int]]:
+    """:func:`take_batches` on PostgreSQL with a few waits on the database whatever the
+    number of partitions (psycopg's pipeline mode, as :func:`_settle_pipelined`): every
+    partition's fence is sent, then read (one wait; the partitions whose idle skip returned
+    nothing are asked whether the lease is still theirs, one more); every fresh take's first
+    read is sent, then read (one wait); every record is sent, and the pipeline's end waits
+    for them. A partition whose lease row records a batch (a retry, rare) is taken after
+    the pipeline, one statement at a time (:func:`_take`'s own code from its fence on).
+
+    Statements, their order per partition and the locks they take are :func:`_take`'s
+    (lease rows in partition order), and so is what comes back."""
+    taken: dict[int, list[OutboxRow]] = {}
+    lost: list[int] = []
+    retries: list[tuple[int, str, list[Batch], int]] = []
+    dialect = conn.dialect
+    ordered = sorted(held)
+    try:
+        with raw.pipeline() as pipe:
+            fence = leases.fence_statement(dialect, True)
+            params = {p: leases.lease_params(p, node_id, held[p], ttl_ms) for p in ordered}
+            cursors = [_send(raw, fence, params[p]) for p in ordered]
+            pipe.sync()
+            fenced: list[tuple[int, str, list[Batch], int]] = []
+            idle: list[int] = []
+            for p, cursor in zip(ordered, cursors, strict=True):
+                found = cursor.fetchone()
+                if found is None:
+                    idle.append(p)
+                    continue
+                batches = load_batches(found[1])
+                (retries if batches else fenced).append(
+                    (p, str(found[0]), batches, int(found[2])))
+            if idle:
+                checks = [_send(raw, leases.held_statement(dialect), params[p]) for p in idle]
+                pipe.sync()
+                lost = [p for p, check in zip(idle, checks, strict=True)
+                        if check.fetchone() is None]
+            _take_fresh_pipelined(raw, pipe, dialect, held, fenced, batch_size, waiting,
+                                  taken)
+    except psycopg_driver.error_type() as err:
+        raise psycopg_driver.translated(err) from err
+    for p, last, batches, now in retries:  # pipeline mode is off: through SQLAlchemy
+        rows = recorded_rows(conn, p, batches, now)
+        if not rows:  # their rows are gone: nothing left to retry
+            rows = take_fresh(conn, p, held[p], batch_size, now, last, [], force_write=True,
+                              waiting=waiting.get(p, frozenset()))
+        if rows:
+            taken[p] = rows
+    return taken, sorted(lost)
+
+
+def _take_fresh_pipelined(
+    raw: Any, pipe: Any, dialect: Dialect, held: dict[int, int],
+    fenced: list[tuple[int, str, list[Batch], int]], batch_size: int,
+    waiting: dict[int, frozenset[str]], taken: dict[int, list[OutboxRow]],
+    fresh: set[int] | None = None,
+) -> None:
+    """:func:`relay.outgoing.take_fresh` (always recording) for each fenced ``(partition,
+    last id, batches, now)`` (of those in ``fresh`` when given; the others' records are
+    written as they are), pipelined: every first read sent, one wait, then the rest of each
+    take (:func:`_read_on`) and its record, sent; ``taken`` gets what was taken."""
+    reads: dict[int, tuple[outgoing.Reads, Any]] = {}
+    if batch_size > 0:
+        for p, _last, _batches, now in fenced:
+            if fresh is not None and p not in fresh:
+                continue
+            gen = outgoing.sendable_reads(p, batch_size, now, None, (),
+                                          waiting.get(p, frozenset()))
+            left_behind, params = next(gen)
+            reads[p] = (gen, _send(raw, outgoing.read_statement(dialect, left_behind), params))
+        if reads:
+            pipe.sync()
+    record = outgoing.record_statement(dialect)
+    for p, last, batches, now in fenced:
+        rows: list[Any] = []
+        runs: list[tuple[int, int]] = []
+        if p in reads:
+            rows, runs = _read_on(raw, pipe, dialect, *reads[p])
+        batches, last, out = outgoing.new_batch(rows, runs, now, last, batches)
+        _send(raw, record, outgoing.record_params(p, held[p], batches, last))
+        if out:
+            taken[p] = out
 
 
 def _take(
@@ -425,27 +520,12 @@ def _settle_pipelined(
                 batches = [] if o.drop_recorded else [
                     b for b in load_batches(found[1]) if b.first_seq > through]
                 settled.append((o, str(found[0]), batches, int(found[2])))
-            reads: dict[int, tuple[outgoing.Reads, outgoing.Read]] = {}
-            for o, _last, batches, now in settled:
-                if o.partition in take and not batches and batch_size > 0:
-                    gen = outgoing.sendable_reads(o.partition, batch_size, now, None, (),
-                                                  waiting.get(o.partition, frozenset()))
-                    reads[o.partition] = (gen, next(gen))
-            first = {p: _send(raw, outgoing.read_statement(dialect, read[0]), read[1])
-                     for p, (_gen, read) in reads.items()}
-            if first:
-                pipe.sync()
-            record = outgoing.record_statement(dialect)
-            for o, last, batches, now in settled:
-                rows: list[Any] = []
-                runs: list[tuple[int, int]] = []
-                if o.partition in reads:
-                    gen, _read = reads[o.partition]
-                    rows, runs = _read_on(raw, pipe, dialect, gen, first[o.partition])
-                batches, last, out = outgoing.new_batch(rows, runs, now, last, batches)
-                _send(raw, record, outgoing.record_params(o.partition, o.epoch, batches, last))
-                if out:
-                    taken[o.partition] = out
+            fresh = {o.partition for o, _last, batches, _now in settled
+                     if o.partition in take and not batches}
+            _take_fresh_pipelined(raw, pipe, dialect, {o.partition: o.epoch for o in ordered},
+                                  [(o.partition, last, batches, now)
+                                   for o, last, batches, now in settled],
+                                  batch_size, waiting, taken, fresh)
     except psycopg_driver.error_type() as err:
         raise psycopg_driver.translated(err) from err
     return lost, taken
