@@ -7,7 +7,7 @@ their fence, :mod:`relay.stream_book` the known streams and their trims, and
 :mod:`relay.repair_store` the repair's queries. This module runs inside the transaction a take
 or a settle opened, after the lease was fenced: it chooses a batch — the candidates in ``seq``
 order, the hold-back of a row behind an earlier undelivered row of its aggregate
-(:func:`_select_sendable`), the retry of a recorded batch under its recorded ids
+(:func:`sendable_reads`), the retry of a recorded batch under its recorded ids
 (:func:`recorded_rows`) — and records it in the lease row as JSON (:class:`Batch`).
 It opens no transaction and never re-checks the lease itself.
 """
@@ -232,10 +232,11 @@ def take_fresh(
     Rows of the streams in ``waiting`` (backing off after a refusal, relay/refusals.py) are
     not taken and split runs the same way.
     """
-    rows, runs = (
-        _select_sendable(conn, partition, batch_size, now, after_seq, inflight, waiting)
-        if batch_size > 0 else ([], [])
-    )
+    postgres = is_postgres(conn)
+    rows, runs = drive(
+        sendable_reads(partition, batch_size, now, after_seq, inflight, waiting),
+        lambda read: list(conn.execute(_read_query(postgres, read[0]), read[1])),
+    ) if batch_size > 0 else ([], [])
     new_batches, new_last, out = new_batch(rows, runs, now, last, batches)
     if rows or force_write:
         record(conn, partition, epoch, new_batches, new_last)
@@ -276,21 +277,6 @@ Read = tuple[bool, dict[str, Any]]
 """One read of a take: whether it is the ``left_behind`` form of :func:`_read_query`, and
 its parameters."""
 Reads = Generator[Read, Sequence[Any], tuple[list[Any], list[tuple[int, int]]]]
-
-
-def _select_sendable(
-    conn: Connection,
-    partition: int,
-    limit: int,
-    now: int,
-    after_seq: int | None,
-    inflight: Sequence[int],
-    waiting: frozenset[str] = frozenset(),
-) -> tuple[list[Any], list[tuple[int, int]]]:
-    """:func:`sendable_reads`, each read run in ``conn``'s transaction."""
-    postgres = is_postgres(conn)
-    return drive(sendable_reads(partition, limit, now, after_seq, inflight, waiting),
-                 lambda read: list(conn.execute(_read_query(postgres, read[0]), read[1])))
 
 
 def drive(reads: Reads, run: Callable[[Read], Sequence[Any]]) -> tuple[
@@ -369,7 +355,7 @@ def sendable_reads(
 
 @functools.cache
 def _read_query(postgres: bool, left_behind: bool) -> Any:
-    """One read of :func:`_select_sendable`, a statement built once (building it cost as
+    """One read of :func:`sendable_reads`, a statement built once (building it cost as
     much as running it): in seq order, up to ``b_limit`` rows after ``b_above`` that are
     either **candidates** (sendable: after ``b_floor`` and available) or **blockers** (with
     an aggregate id, and delayed or, with ``left_behind``, at or below ``b_after`` and not in
