@@ -119,20 +119,23 @@ def relay_child(
 
 
 def _stamp_appends(landed: dict[tuple[str, int], float]) -> None:
-    """Wrap ``relay.append.append`` (looked up by the relay at each call) in this process."""
-    original = relay_append.append
+    """Wrap ``relay.append.append_many`` (looked up at each call, by the relay's rounds and
+    by ``append`` for one batch) in this process."""
+    original = relay_append.append_many
 
-    def append(client: Any, prefix: str, rows: list[Any], *args: Any, **kwargs: Any) -> Any:
-        verdicts = original(client, prefix, rows, *args, **kwargs)
+    def append_many(client: Any, prefix: str, batches: list[Any], *args: Any,
+                    **kwargs: Any) -> Any:
+        outcomes = original(client, prefix, batches, *args, **kwargs)
         now = time.time()
-        if rows:
-            first, last = rows[0], rows[-1]
-            key = keys.stream_key(prefix, first.stream, first.partition)
-            for row in (first, last):
-                landed.setdefault((key, entry_ids.parse(row.entry_id)[0]), now)
-        return verdicts
+        for rows, _epoch in batches:
+            if rows:
+                first, last = rows[0], rows[-1]
+                key = keys.stream_key(prefix, first.stream, first.partition)
+                for row in (first, last):
+                    landed.setdefault((key, entry_ids.parse(row.entry_id)[0]), now)
+        return outcomes
 
-    relay_append.append = append
+    relay_append.append_many = append_many
 
 
 def _stop_when(event: Any, stop: Any) -> None:

@@ -14,7 +14,8 @@ from outbox_relay.producer import Producer
 from outbox_relay.relay import append, outgoing, store
 from outbox_relay.relay.daemon import Relay
 from outbox_relay.relay.leases import acquire_leases
-from outbox_relay.shared.errors import LeaseLostError
+from outbox_relay.shared import keys
+from outbox_relay.shared.errors import LeaseLostError, UnavailableError
 from outbox_relay.shared.schema import relay_leases
 from tests.helpers import (
     PARTITIONS,
@@ -28,6 +29,7 @@ from tests.helpers import (
     partition_of,
     relay_settings,
     undelivered,
+    wait_until,
 )
 
 pytestmark = pytest.mark.integration
@@ -121,18 +123,18 @@ def test_a_partition_fenced_out_after_its_append_is_left_to_its_new_owner_by_id(
 ) -> None:
     ids = enqueue_events(engine, 24, aggregates=8)
     relay = relay_holding_everything(engine, redis_client, key_prefix)
-    real = append.append
+    real = append.append_many
 
-    def steal_partition_1_after_its_append(*args: Any, **kwargs: Any) -> append.Verdicts:
-        verdicts = real(*args, **kwargs)
-        if args[2][0].partition == 1:  # appended under "a"'s epoch; "b" takes over now
-            expire_lease(engine, 1)
+    def steal_partition_1_after_its_append(*args: Any, **kwargs: Any) -> Any:
+        outcomes = real(*args, **kwargs)
+        if any(rows[0].partition == 1 for rows, _epoch in args[2]):
+            expire_lease(engine, 1)  # appended under "a"'s epoch; "b" takes over now
             assert list(acquire_leases(engine, "b", PARTITIONS, TTL)) == [1]
-        return verdicts
+        return outcomes
 
-    monkeypatch.setattr(append, "append", steal_partition_1_after_its_append)
+    monkeypatch.setattr(append, "append_many", steal_partition_1_after_its_append)
     relay.run_once()
-    monkeypatch.setattr(append, "append", real)
+    monkeypatch.setattr(append, "append_many", real)
 
     assert relay.stats.lease_losses == 1 and 1 not in relay.leases
     left = [r for r in outbox_rows(engine) if r.delivered_at_ms is None]
@@ -153,15 +155,15 @@ def committing_during_the_first_append(
 ) -> list[str]:
     """Make the next append commit ``count`` more events first (after the round's take, before
     its settle); the returned list fills with their ids."""
-    real = append.append
+    real = append.append_many
     ids: list[str] = []
 
-    def commit_then_append(*args: Any, **kwargs: Any) -> append.Verdicts:
+    def commit_then_append(*args: Any, **kwargs: Any) -> Any:
         if not ids:
             ids.extend(enqueue_events(engine, count, aggregates=8, first=1000))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(append, "append", commit_then_append)
+    monkeypatch.setattr(append, "append_many", commit_then_append)
     return ids
 
 
@@ -285,13 +287,13 @@ def test_a_round_that_starts_with_housekeeping_takes_its_own_rows_after_it(
     ids = enqueue_events(engine, 24, aggregates=8)
     later = committing_during_the_first_append(engine, monkeypatch, 16)
     relay = relay_holding_everything(engine, redis_client, key_prefix)
-    real = append.append
+    real = append.append_many
 
-    def lease_round_due_after_append(*args: Any, **kwargs: Any) -> append.Verdicts:
+    def lease_round_due_after_append(*args: Any, **kwargs: Any) -> Any:
         relay._next_lease_check = 0.0  # the next round starts with a lease round
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(append, "append", lease_round_due_after_append)
+    monkeypatch.setattr(append, "append_many", lease_round_due_after_append)
     transactions = fenced_transactions(engine, monkeypatch)
 
     assert not relay.run_once()  # nothing taken for the next round: it would wait
@@ -388,4 +390,37 @@ def test_a_rounds_take_tells_idle_partitions_from_lost_ones_and_retries_recorded
     ids = recorded_ids(engine)
     assert {p for p, _seq in ids} == {fresh, retried}
     assert all(ids[fresh, r.seq] == r.entry_id for r in taken[fresh])
-    assert sorted(held) == list(range(PARTITIONS))  # the idle one held, not lost or taken
+    assert idle in held and idle not in taken and idle not in lost
+
+
+def test_a_round_whose_append_fails_in_one_partition_settles_the_others_and_retries_it(
+    engine: Engine, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    """A round appends four partitions' batches in one Redis round trip
+    (``in_flight.finish_round``). One partition's stream lost its entries (Redis lost data):
+    its append is refused (``stream_behind``, nothing of it written) while the other three
+    land. Those three are settled by the round, which then raises; the refused batch stays
+    unmarked, shows its error, and goes out after the repair refills the stream, each event
+    once."""
+    first = enqueue_events(engine, 24, aggregates=8)
+    relay = relay_holding_everything(engine, redis_client, key_prefix)
+    wait_until(lambda: relay.run_once() is not None and undelivered(engine) == 0,
+               what="the first events to go out")
+    lossy = 2
+    key = keys.stream_key(key_prefix, STREAM, lossy)
+    assert relay.repairer.floors.get(key)
+    redis_client.delete(key, keys.fence_key(key_prefix, STREAM, lossy))
+    later = enqueue_events(engine, 24, aggregates=8, first=100)
+    relay.repairer._next_check = float("inf")  # only the refusal may ask for the check
+
+    with pytest.raises(UnavailableError) as refused:
+        relay.run_once()
+
+    assert refused.value.code == "stream_behind"
+    left = [r for r in outbox_rows(engine) if r.delivered_at_ms is None]
+    assert left and {r.partition for r in left} == {lossy}
+    assert all(r.last_error == "stream_behind" for r in left)
+    assert redis_client.xlen(key) == 0  # nothing appended above the hole
+    wait_until(lambda: relay.run_once() is not None and undelivered(engine) == 0,
+               what="the refill, then the refused batch")
+    assert_sent_once(engine, redis_client, key_prefix, first + later)

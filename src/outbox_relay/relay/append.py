@@ -23,6 +23,7 @@ decoded by Redis also takes redis-py's per-``XADD`` command building off the rel
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -37,7 +38,7 @@ from outbox_relay.relay import entry_ids, fence
 from outbox_relay.relay.outgoing import OutboxRow
 from outbox_relay.shared import keys, tracing
 from outbox_relay.shared.envelope import JSON_CONTENT_TYPE, SPECVERSION, encode_fields
-from outbox_relay.shared.errors import StreamBehindError, UnavailableError
+from outbox_relay.shared.errors import OutboxError, StreamBehindError, UnavailableError
 from outbox_relay.shared.redis_conn import is_cluster, node_of, translate_redis_errors
 from outbox_relay.shared.signing import Signer
 
@@ -296,22 +297,66 @@ def append(
     floor (Redis lost data: nothing was written; repair first) and :class:`UnavailableError`
     when the outcome is unknown.
     """
-    verdicts = Verdicts()
-    if not rows:
-        return verdicts
-    subs: dict[str, list[OutboxRow]] = {}
-    for row in rows:
-        subs.setdefault(keys.stream_key(prefix, row.stream, row.partition), []).append(row)
+    (outcome,) = append_many(client, prefix, [(rows, epoch)], maxlen, floors, signer)
+    if isinstance(outcome, OutboxError):
+        raise outcome
+    return outcome
+
+
+def append_many(
+    client: redis.Redis,
+    prefix: str,
+    batches: list[tuple[list[OutboxRow], int]],
+    maxlen: int = 0,
+    floors: dict[str, str] | None = None,
+    signer: Signer | None = None,
+) -> list[Verdicts | OutboxError]:
+    """:func:`append` of several partitions' batches ``(rows, epoch)`` with one Redis round
+    trip: every stream's call in one pipeline (on a cluster, one call after the other).
+
+    Why: a relay round at a trickle appends a few rows to each of several partitions; one
+    ``EVALSHA`` round trip after the other was a quarter of the round (bench/PERFORMANCE.md,
+    issue 24). Each batch's outcome, in order: its :class:`Verdicts`, or the error
+    :func:`append` raises for it (the others' outcomes stand: partitions are independent).
+    An outcome Redis never told (the connection lost) raises :class:`UnavailableError` for
+    all of them. Each batch has its own ``outbox publish`` span."""
     floors = {} if floors is None else floors
-    calls = [_call_args(prefix, sub, epoch, maxlen, floors.get(key, ""), signer)
-             for key, sub in subs.items()]
-    span = tracing.publish_span(list(subs), (r.headers for r in rows), len(rows))
-    with span, translate_redis_errors():
-        answers = _run(client, calls)
-        for (key, sub), answer in zip(subs.items(), answers, strict=True):
-            newest = _classify(sub, answer, verdicts)
-            if newest is not None:
-                _raise_floor(floors, key, newest)
+    plans: list[dict[str, list[OutboxRow]]] = []
+    calls: list[tuple[Any, ...]] = []
+    for rows, epoch in batches:
+        subs: dict[str, list[OutboxRow]] = {}
+        for row in rows:
+            subs.setdefault(keys.stream_key(prefix, row.stream, row.partition), []).append(row)
+        plans.append(subs)
+        calls += [_call_args(prefix, sub, epoch, maxlen, floors.get(key, ""), signer)
+                  for key, sub in subs.items()]
+    outcomes: list[Verdicts | OutboxError] = []
+    with contextlib.ExitStack() as spans:
+        for (rows, _epoch), subs in zip(batches, plans, strict=True):
+            if rows:
+                spans.enter_context(
+                    tracing.publish_span(list(subs), (r.headers for r in rows), len(rows)))
+        with translate_redis_errors():
+            answers = _run(client, calls) if calls else []
+        for subs in plans:
+            chunk, answers = answers[:len(subs)], answers[len(subs):]
+            outcomes.append(_classify_batch(subs, chunk, floors))
+    return outcomes
+
+
+def _classify_batch(
+    subs: dict[str, list[OutboxRow]], answers: list[Any], floors: dict[str, str]
+) -> Verdicts | OutboxError:
+    """One batch's verdicts from its streams' answers (raising its floors), or its error."""
+    verdicts = Verdicts()
+    try:
+        with translate_redis_errors():
+            for (key, sub), answer in zip(subs.items(), answers, strict=True):
+                newest = _classify(sub, answer, verdicts)
+                if newest is not None:
+                    _raise_floor(floors, key, newest)
+    except OutboxError as err:
+        return err
     return verdicts
 
 

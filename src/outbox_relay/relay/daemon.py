@@ -51,7 +51,7 @@ from outbox_relay.relay.wakeup import Wakeup
 from outbox_relay.shared import faults, keys, partition_counts
 from outbox_relay.shared.daemon_control import Backoff, stop_on_signals
 from outbox_relay.shared.db import is_postgres
-from outbox_relay.shared.errors import LeaseLostError, UnavailableError
+from outbox_relay.shared.errors import LeaseLostError, OutboxError, UnavailableError
 from outbox_relay.shared.periodic import Periodic, run_due
 from outbox_relay.shared.periodic import shutdown as shutdown_periodic
 from outbox_relay.shared.progress import Progress, age_text
@@ -320,24 +320,23 @@ class Relay:
         rows follow the round's usual rules: a refused stream backs off).
 
         At a trickle a round takes a few rows in each notified partition: one take and one
-        settle transaction for all of them, instead of two per partition, is what keeps the
-        time from commit to ``XADD`` short. A partition whose append fails with an unknown
-        outcome stops the round (its rows are recorded as such,
-        :func:`relay.in_flight.finish`): the batches appended before it are settled first, the
-        ones after it stay recorded on their lease rows and are retried under the same ids by
-        the next round.
+        settle transaction for all of them, instead of two per partition, and their appends
+        in one Redis round trip (:func:`relay.in_flight.finish_round`), is what keeps the time
+        from commit to ``XADD`` short. A partition whose append has an unknown outcome (its
+        rows are recorded as such) is not settled and the round raises once the batches that
+        landed are settled; its batch stays recorded on its lease row and is retried under the
+        same ids by the next round.
         """
         landed: list[tuple[list[outgoing.OutboxRow], append.Verdicts]] = []
-        error: UnavailableError | None = None
-        for partition, rows in taken.items():
-            try:
-                flight = in_flight.InFlight(self, rows, epochs[partition])
-                landed.append((rows, in_flight.finish(self, flight, rows)))
-            except LeaseLostError:
+        error: OutboxError | None = None
+        outcomes = in_flight.finish_round(self, [(rows, epochs[p]) for p, rows in taken.items()])
+        for (partition, rows), outcome in zip(taken.items(), outcomes, strict=True):
+            if isinstance(outcome, append.Verdicts):
+                landed.append((rows, outcome))
+            elif isinstance(outcome, LeaseLostError):
                 self._lease_lost(partition, epochs[partition])
-            except UnavailableError as err:
-                error = err
-                break
+            else:
+                error = error or outcome
         if landed:
             self._settle_all(landed, epochs, take_next=take_next and error is None)
         if error is not None:

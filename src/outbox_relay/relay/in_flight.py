@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from outbox_relay.relay import append, outgoing, store
 from outbox_relay.shared import faults, keys
-from outbox_relay.shared.errors import StreamBehindError, UnavailableError
+from outbox_relay.shared.errors import OutboxError, StreamBehindError, UnavailableError
 
 if TYPE_CHECKING:
     from outbox_relay.relay.daemon import Relay
@@ -49,20 +49,87 @@ def finish(relay: Relay, flight: InFlight, rows: list[outgoing.OutboxRow]) -> ap
     try:
         verdicts, confirmed = flight.result()
     except UnavailableError as err:
-        code = "unknown_outcome"
-        if isinstance(err, StreamBehindError):  # Redis lost data: refill before appending
-            relay.repairer.check_soon()
-            code = err.code  # what `outbox status` shows as the rows' last error
-        relay.stats.unknown_outcomes += len(rows)
-        if relay.metrics is not None:
-            relay.metrics.append_failed(code, len(rows))
-        store.record_unknown(relay.engine, rows[0].partition, [r.seq for r in rows], code)
+        _unknown(relay, rows, err)
         raise
     if not confirmed:
         log.warning("durability barrier not met; %d entries stay unmarked", len(rows))
         raise UnavailableError("replicas did not confirm the batch in time")
     faults.point("relay.after_xadd")
     return verdicts
+
+
+def finish_round(
+    relay: Relay, batches: list[tuple[list[outgoing.OutboxRow], int]]
+) -> list[append.Verdicts | OutboxError]:
+    """The appends of a round's batches ``(rows, epoch)``, one per partition
+    (:meth:`relay.daemon.Relay._relay_round`), with one Redis round trip
+    (:func:`relay.append.append_many`), each judged as :func:`finish` judges one, in order:
+    its verdicts, or its error returned, not raised (the other batches' outcomes stand). An
+    unknown outcome is recorded on its rows; with a durability barrier asked, one barrier
+    covers every batch that landed, and when it is not met none of them is marked."""
+    s = relay.settings
+    started = time.perf_counter()
+    try:
+        outcomes = append.append_many(relay.client, s.key_prefix, batches,
+                                      s.stream_maxlen_unsafe, relay.repairer.floors,
+                                      relay.repairer.signer)
+    except UnavailableError as err:
+        outcomes = [err for _ in batches]
+    if relay.metrics is not None:
+        elapsed = time.perf_counter() - started
+        for (rows, _epoch), outcome in zip(batches, outcomes, strict=True):
+            if isinstance(outcome, append.Verdicts):
+                relay.metrics.appended(len(rows), outcome, elapsed)
+    if s.wait_replicas > 0 or s.wait_aof:
+        _barrier(relay, batches, outcomes)
+    for (rows, _epoch), outcome in zip(batches, outcomes, strict=True):
+        if isinstance(outcome, UnavailableError) and not isinstance(outcome, _NotConfirmed):
+            _unknown(relay, rows, outcome)
+    if any(isinstance(o, append.Verdicts) for o in outcomes):
+        faults.point("relay.after_xadd")
+    return outcomes
+
+
+def _barrier(relay: Relay, batches: list[tuple[list[outgoing.OutboxRow], int]],
+             outcomes: list[append.Verdicts | OutboxError]) -> None:
+    """One durability barrier over every batch of the round that landed; when it is not
+    met (or its outcome is unknown) each of them becomes that error in ``outcomes``."""
+    s = relay.settings
+    landed = [i for i, o in enumerate(outcomes) if isinstance(o, append.Verdicts) and o.delivered]
+    if not landed:
+        return
+    written = sorted({keys.stream_key(s.key_prefix, r.stream, r.partition)
+                      for i in landed for r in batches[i][0]})
+    try:
+        confirmed = append.durability_barrier(relay.client, s.wait_replicas,
+                                              s.wait_timeout_ms, s.wait_aof, written)
+    except UnavailableError as err:
+        for i in landed:
+            outcomes[i] = err
+        return
+    if not confirmed:
+        log.warning("durability barrier not met; %d entries stay unmarked",
+                    sum(len(batches[i][0]) for i in landed))
+        for i in landed:
+            outcomes[i] = _NotConfirmed("replicas did not confirm the batch in time")
+
+
+class _NotConfirmed(UnavailableError):
+    """The durability barrier was not met: the batch landed, and is not marked (not an
+    unknown outcome: nothing is recorded on its rows)."""
+
+
+def _unknown(relay: Relay, rows: list[outgoing.OutboxRow], err: UnavailableError) -> None:
+    """A batch whose outcome Redis never told: counted, and recorded on its rows (its next
+    attempt is a retry by id); Redis found behind asks for the repair check first."""
+    code = "unknown_outcome"
+    if isinstance(err, StreamBehindError):  # Redis lost data: refill before appending
+        relay.repairer.check_soon()
+        code = err.code  # what `outbox status` shows as the rows' last error
+    relay.stats.unknown_outcomes += len(rows)
+    if relay.metrics is not None:
+        relay.metrics.append_failed(code, len(rows))
+    store.record_unknown(relay.engine, rows[0].partition, [r.seq for r in rows], code)
 
 
 class InFlight:
