@@ -310,7 +310,7 @@ class Relay:
         self, taken: dict[int, list[outgoing.OutboxRow]], epochs: dict[int, int], *,
         take_next: bool,
     ) -> set[int]:
-        """Append the partial batches of a round, one partition after the other, and settle
+        """Append the partial batches of a round (one Redis round trip for all), and settle
         them all in **one** transaction; returns the partitions that may have more.
 
         With ``take_next``, that transaction also takes the next batch of each partition
