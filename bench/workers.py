@@ -120,15 +120,16 @@ def relay_child(
 
 def _stamp_appends(landed: dict[tuple[str, int], float]) -> None:
     """Wrap ``relay.append.append_many`` (looked up at each call, by the relay's rounds and
-    by ``append`` for one batch) in this process."""
+    by ``append`` for one batch) in this process; a batch is stamped when it landed (a
+    failed one is stamped by its retry)."""
     original = relay_append.append_many
 
     def append_many(client: Any, prefix: str, batches: list[Any], *args: Any,
                     **kwargs: Any) -> Any:
         outcomes = original(client, prefix, batches, *args, **kwargs)
         now = time.time()
-        for rows, _epoch in batches:
-            if rows:
+        for (rows, _epoch), outcome in zip(batches, outcomes, strict=True):
+            if rows and isinstance(outcome, relay_append.Verdicts) and outcome.delivered:
                 first, last = rows[0], rows[-1]
                 key = keys.stream_key(prefix, first.stream, first.partition)
                 for row in (first, last):

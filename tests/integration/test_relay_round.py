@@ -4,6 +4,8 @@ settle also takes the rows committed while the round appended, for the next roun
 
 from __future__ import annotations
 
+import logging
+import threading
 from typing import Any
 
 import pytest
@@ -14,7 +16,8 @@ from outbox_relay.producer import Producer
 from outbox_relay.relay import append, outgoing, store
 from outbox_relay.relay.daemon import Relay
 from outbox_relay.relay.leases import acquire_leases
-from outbox_relay.shared import keys
+from outbox_relay.shared import keys, psycopg_driver
+from outbox_relay.shared.db import is_postgres
 from outbox_relay.shared.errors import LeaseLostError, UnavailableError
 from outbox_relay.shared.schema import relay_leases
 from tests.helpers import (
@@ -45,9 +48,11 @@ def fenced_transactions(
     list fills as transactions commit."""
     done: list[list[str]] = []
     current: list[str] = []
+    relay_thread = threading.get_ident()  # the background housekeeping's are left out
 
     def on_execute(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
-        current.append(" ".join(statement.split()))
+        if threading.get_ident() == relay_thread:
+            current.append(" ".join(statement.split()))
 
     send = store._send
 
@@ -58,12 +63,17 @@ def fenced_transactions(
     monkeypatch.setattr(store, "_send", sent)
 
     def on_commit(_conn: Any) -> None:
-        done.append(current.copy())
-        current.clear()
+        if threading.get_ident() == relay_thread:
+            done.append(current.copy())
+            current.clear()
+
+    def on_rollback(_conn: Any) -> None:
+        if threading.get_ident() == relay_thread:
+            current.clear()
 
     event.listen(engine, "before_cursor_execute", on_execute)
     event.listen(engine, "commit", on_commit)
-    event.listen(engine, "rollback", lambda _conn: current.clear())
+    event.listen(engine, "rollback", on_rollback)
     return done
 
 
@@ -306,7 +316,7 @@ def test_a_round_that_starts_with_housekeeping_takes_its_own_rows_after_it(
 
 
 def test_a_settles_take_reads_on_past_held_back_rows_and_takes_another_aggregates_rows(
-    engine: Engine, redis_client: redis.Redis, key_prefix: str
+    engine: Engine, redis_client: redis.Redis, key_prefix: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Two partitions settle together and take their next rows. In one, a delayed row heads
     an aggregate whose 80 later rows are held back behind it, more than the take's first
@@ -333,16 +343,40 @@ def test_a_settles_take_reads_on_past_held_back_rows_and_takes_another_aggregate
                                   aggregate_type="thing", aggregate_id=other, revision=r)
                  for r in (1, 2)]
 
+    sent = pipelined_sends(engine, monkeypatch)
+
     lost, taken = store.settle_batches(engine, "a", TTL, [
         store.Settlement(p, leases[p], verdicts[p].delivered, [], []) for p in (0, 1)],
         take=frozenset({0, 1}), batch_size=2)
 
+    # pipelined: 2 fences and marks, 2 first reads, 1 read on, 2 records
+    assert len(sent) == (7 if pipelined_on(engine) else 0)
     assert lost == [] and list(taken) == [0]
     assert [r.event_id for r in taken[0]] == later
     assert recorded_ids(engine) == {(0, r.seq): r.entry_id for r in taken[0]}
     marked = {r.event_id for r in outbox_rows(engine) if r.delivered_at_ms is not None}
     assert marked == {r.event_id for rows in batches.values() for r in rows}
     assert marked < set(ids)
+
+
+def pipelined_sends(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The statements the relay sends in psycopg's pipeline mode (``store._send``); the
+    returned list fills as they are sent."""
+    sent: list[str] = []
+    send = store._send
+
+    def spy(raw: Any, statement: Any, params: dict[str, Any]) -> Any:
+        sent.append(statement.sql)
+        return send(raw, statement, params)
+
+    monkeypatch.setattr(store, "_send", spy)
+    return sent
+
+
+def pipelined_on(engine: Engine) -> bool:
+    """Whether the relay's take and settle run pipelined here (PostgreSQL, libpq ≥ 14)."""
+    with engine.connect() as conn:
+        return is_postgres(conn) and psycopg_driver.pipelining_connection(conn) is not None
 
 
 def aggregates_in(partition: int, count: int) -> list[str]:
@@ -362,7 +396,7 @@ def enqueue_in(engine: Engine, partition: int, count: int, aggregate: int = 0) -
 
 
 def test_a_rounds_take_tells_idle_partitions_from_lost_ones_and_retries_recorded_batches(
-    engine: Engine, redis_client: redis.Redis, key_prefix: str
+    engine: Engine, redis_client: redis.Redis, key_prefix: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """One take over four held partitions: one with new rows (taken and recorded under one
     ``ms``), one whose lease row records a batch no settle finished (its rows come back under
@@ -380,7 +414,13 @@ def test_a_rounds_take_tells_idle_partitions_from_lost_ones_and_retries_recorded
     expire_lease(engine, stolen)
     assert acquire_leases(engine, "b", PARTITIONS, TTL)[stolen] == held[stolen] + 1
 
+    sent = pipelined_sends(engine, monkeypatch)
+
     taken, lost = store.take_batches(engine, "a", held, 100, TTL)
+
+    # pipelined: 4 fences, 2 lease checks (idle, stolen), 1 read and 1 record (fresh); the
+    # retry after the pipeline, through SQLAlchemy
+    assert len(sent) == (8 if pipelined_on(engine) else 0)
 
     assert lost == [stolen] and sorted(taken) == [fresh, retried]
     assert [(r.event_id, r.entry_id, r.retry) for r in taken[retried]] == [
@@ -424,3 +464,72 @@ def test_a_round_whose_append_fails_in_one_partition_settles_the_others_and_retr
     wait_until(lambda: relay.run_once() is not None and undelivered(engine) == 0,
                what="the refill, then the refused batch")
     assert_sent_once(engine, redis_client, key_prefix, first + later)
+
+
+def test_a_pipelined_settle_whose_connection_drops_is_unavailable_with_no_driver_text_logged(
+    engine: Engine, redis_client: redis.Redis, key_prefix: str,
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The database connection dies in the middle of a pipelined settle (its backend
+    terminated after the first statement was sent): the settle raises ``UnavailableError``,
+    nothing is marked, no record at WARNING or above carries the driver's text (psycopg's
+    own exit of a pipeline would log it), and the next settle of the same batches, on
+    another pooled connection, marks them."""
+    if not pipelined_on(engine):
+        pytest.skip("the settle is pipelined on PostgreSQL only")
+    enqueue_events(engine, 24, aggregates=8)
+    held = acquire_leases(engine, "a", PARTITIONS, TTL)
+    batches = {p: store.take_batch(engine, p, "a", held[p], 100, TTL) for p in (0, 1)}
+    outcomes = [store.Settlement(p, held[p], append.append(
+        redis_client, key_prefix, rows, held[p]).delivered, [], []) for p, rows in batches.items()]
+    send, killed = store._send, []
+
+    def send_then_kill_the_backend(raw: Any, statement: Any, params: dict[str, Any]) -> Any:
+        cursor = send(raw, statement, params)
+        if not killed:
+            killed.append(raw.info.backend_pid)
+            with engine.connect() as other:
+                other.exec_driver_sql("SELECT pg_terminate_backend(%(pid)s)",
+                                      {"pid": killed[0]})
+        return cursor
+
+    monkeypatch.setattr(store, "_send", send_then_kill_the_backend)
+    caplog.set_level(logging.DEBUG)
+    with pytest.raises(UnavailableError):
+        store.settle_batches(engine, "a", TTL, outcomes)
+    monkeypatch.undo()
+
+    assert killed and undelivered(engine) == len(outbox_rows(engine))
+    loud = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert not loud, [(r.name, r.getMessage()) for r in loud]
+    lost, _taken = store.settle_batches(engine, "a", TTL, outcomes)
+    assert lost == []
+    marked = {r.seq for r in outbox_rows(engine) if r.delivered_at_ms is not None}
+    assert marked == {r.seq for rows in batches.values() for r in rows}
+
+
+def test_on_a_cluster_a_call_whose_connection_is_lost_makes_only_its_batch_unknown(
+    engine: Engine, redis_client: redis.Redis, key_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On Redis Cluster a round's append calls go one by one, each to its slot's master
+    (``append._run``): the call whose connection is lost is its batch's unknown outcome,
+    and the batch whose call was answered stands (it is settled, not retried)."""
+    enqueue_events(engine, 24, aggregates=8)
+    held = acquire_leases(engine, "a", PARTITIONS, TTL)
+    batches = [(store.take_batch(engine, p, "a", held[p], 100, TTL), held[p]) for p in (0, 1)]
+    monkeypatch.setattr(append, "is_cluster", lambda _client: True)
+    evalsha, lost_key = redis_client.evalsha, keys.stream_key(key_prefix, STREAM, 1)
+
+    def losing_partition_1(*args: Any) -> Any:
+        if lost_key in args:
+            raise redis.ConnectionError("connection lost")
+        return evalsha(*args)
+
+    monkeypatch.setattr(redis_client, "evalsha", losing_partition_1)
+
+    outcomes = append.append_many(redis_client, key_prefix, batches)
+
+    assert isinstance(outcomes[0], append.Verdicts)
+    assert len(outcomes[0].delivered) == len(batches[0][0])
+    assert isinstance(outcomes[1], UnavailableError)
+    assert redis_client.xlen(lost_key) == 0

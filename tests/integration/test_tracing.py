@@ -28,14 +28,18 @@ from opentelemetry.util._once import Once
 from outbox_relay.consumer.daemon import Consumer
 from outbox_relay.consumer.handlers import Handlers
 from outbox_relay.producer import Producer
+from outbox_relay.relay import append, store
 from outbox_relay.relay.daemon import Relay
-from outbox_relay.shared import tracing
+from outbox_relay.relay.leases import acquire_leases
+from outbox_relay.shared import keys, tracing
 from outbox_relay.shared.envelope import Event
+from outbox_relay.shared.errors import LeaseLostError
 from tests.helpers import (
     GROUP,
     PARTITIONS,
     STREAM,
     consumer_settings,
+    enqueue_events,
     key_of,
     relay_settings,
     stream_entries,
@@ -209,3 +213,32 @@ def test_a_failing_handler_span_records_the_error_redacted(
     assert "app:***@db" in str(attributes["exception.message"])
     assert SECRET not in str(attributes["exception.stacktrace"])
     assert "Traceback" in str(attributes["exception.stacktrace"])
+
+
+def test_a_rounds_publish_spans_are_siblings_and_only_the_failed_batch_is_an_error(
+    engine: Engine, redis_client: redis.Redis, key_prefix: str,
+    exporter: InMemorySpanExporter,
+) -> None:
+    """A round appends two partitions' batches with one Redis round trip
+    (``append.append_many``): each batch has its own ``outbox publish`` span, both children
+    of the span current at the round (not one nested in the other), and a batch refused by
+    its stream's fence (another relay's epoch there) is the only span with status ERROR."""
+    enqueue_events(engine, 24, aggregates=8)
+    held = acquire_leases(engine, "a", PARTITIONS, 10_000)
+    batches = [(store.take_batch(engine, p, "a", held[p], 100, 10_000), held[p]) for p in (0, 1)]
+    assert all(rows for rows, _epoch in batches)
+    redis_client.set(keys.fence_key(key_prefix, STREAM, 1), held[1] + 1)  # taken over
+
+    with trace.get_tracer("test").start_as_current_span("round") as round_span:
+        outcomes = append.append_many(redis_client, key_prefix, batches)
+
+    assert isinstance(outcomes[0], append.Verdicts) and outcomes[0].delivered
+    assert isinstance(outcomes[1], LeaseLostError)
+    published = spans_named(exporter, tracing.PUBLISH_SPAN)
+    assert len(published) == 2
+    parent = round_span.get_span_context().span_id
+    assert all(s.parent is not None and s.parent.span_id == parent for s in published)
+    status = {s.attributes["messaging.destination.name"]: s.status.status_code
+              for s in published if s.attributes}
+    assert status == {keys.stream_key(key_prefix, STREAM, 0): StatusCode.UNSET,
+                      keys.stream_key(key_prefix, STREAM, 1): StatusCode.ERROR}

@@ -23,7 +23,6 @@ decoded by Redis also takes redis-py's per-``XADD`` command building off the rel
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
@@ -331,16 +330,18 @@ def append_many(
         calls += [_call_args(prefix, sub, epoch, maxlen, floors.get(key, ""), signer)
                   for key, sub in subs.items()]
     outcomes: list[Verdicts | OutboxError] = []
-    with contextlib.ExitStack() as spans:
-        for (rows, _epoch), subs in zip(batches, plans, strict=True):
-            if rows:
-                spans.enter_context(
-                    tracing.publish_span(list(subs), (r.headers for r in rows), len(rows)))
+    traced = [i for i, (rows, _epoch) in enumerate(batches) if rows]
+    with tracing.publish_spans([(list(plans[i]), (r.headers for r in batches[i][0]),
+                                 len(batches[i][0])) for i in traced]) as spans:
         with translate_redis_errors():
             answers = _run(client, calls) if calls else []
-        for subs in plans:
+        span_of = dict(zip(traced, spans, strict=True))
+        for i, subs in enumerate(plans):
             chunk, answers = answers[:len(subs)], answers[len(subs):]
-            outcomes.append(_classify_batch(subs, chunk, floors))
+            outcome = _classify_batch(subs, chunk, floors)
+            if isinstance(outcome, OutboxError):
+                tracing.failed(span_of.get(i), outcome)
+            outcomes.append(outcome)
     return outcomes
 
 
@@ -403,12 +404,12 @@ def _run(client: redis.Redis, calls: list[tuple[Any, ...]]) -> list[Any]:
 
 
 def _evalsha(client: redis.Redis, args: tuple[Any, ...]) -> Any:
-    """One call; a refusal of the whole call (not a connection error) comes back as a value."""
+    """One call; a refusal of the whole call, or its connection lost, comes back as a value
+    (one stream's outcome: on a cluster the calls of a round go to several masters, and the
+    ones answered stand, :func:`append_many`)."""
     try:
         return client.evalsha(SCRIPT_SHA, 2, *args)
-    except (redis.ConnectionError, redis.TimeoutError):
-        raise
-    except redis.ResponseError as err:
+    except (redis.ResponseError, redis.ConnectionError, redis.TimeoutError) as err:
         return err
 
 

@@ -167,7 +167,7 @@ def _take_pipelined(
     dialect = conn.dialect
     ordered = sorted(held)
     try:
-        with raw.pipeline() as pipe:
+        with psycopg_driver.pipeline(raw) as pipe:
             fence = leases.fence_statement(dialect, True)
             params = {p: leases.lease_params(p, node_id, held[p], ttl_ms) for p in ordered}
             cursors = [_send(raw, fence, params[p]) for p in ordered]
@@ -502,7 +502,7 @@ def _settle_pipelined(
     fenced_mark = _fenced_mark(dialect)
     ordered = sorted(outcomes, key=lambda o: o.partition)
     try:
-        with raw.pipeline() as pipe:
+        with psycopg_driver.pipeline(raw) as pipe:
             cursors = []
             for o in ordered:
                 params = leases.lease_params(o.partition, node_id, o.epoch, ttl_ms)

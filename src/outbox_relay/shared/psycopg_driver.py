@@ -2,13 +2,16 @@
 
 Why a module: the PostgreSQL driver is an extra (``outbox-relay[postgres]``); a SQLite-only
 install has no psycopg, and must still import every module, run ``outbox`` and the daemons.
-Whatever uses psycopg's own features (pipeline mode: :mod:`consumer.pipelining`) asks here,
+Whatever uses psycopg's own features (pipeline mode: :mod:`consumer.pipelining`, the relay's
+take and settle in :mod:`relay.store`) asks here,
 and gets None where no psycopg connection can exist or the feature is missing.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
@@ -67,3 +70,22 @@ def translated(err: Exception) -> sa_exc.DBAPIError:
     wrapped = sa_exc.DBAPIError.instance(None, None, err, error_type())
     assert isinstance(wrapped, sa_exc.DBAPIError)
     return wrapped
+
+
+@contextmanager
+def pipeline(raw: psycopg.Connection[Any]) -> Iterator[psycopg.Pipeline]:
+    """``raw`` in psycopg's pipeline mode for the block (its statements sent without waiting,
+    read after a ``sync()``), left quietly: when the block raises, psycopg's own exit would
+    log what ending the pipeline failed with (a lost connection's text, the connection's
+    host, user and database) at WARNING on its logger; here that second error is dropped and
+    the block's own is raised. A block that ends normally waits for every result still in
+    flight, and a statement's error raises here, as psycopg's error."""
+    manager = raw.pipeline()
+    pipe = manager.__enter__()
+    try:
+        yield pipe
+    except BaseException:
+        with suppress(error_type()):
+            manager.__exit__(None, None, None)
+        raise
+    manager.__exit__(None, None, None)

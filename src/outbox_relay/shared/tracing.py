@@ -5,7 +5,8 @@ One trace from ``enqueue`` to the handler, per the OpenTelemetry messaging seman
 - the producer (:func:`carrier`): ``enqueue`` called with no ``traceparent`` stores the current
   span context (W3C ``traceparent`` and ``tracestate``) with the outbox row; it travels as the
   CloudEvents distributed tracing extension fields of the stream entry (shared/envelope.py);
-- the relay (:func:`publish_span`): each append of a batch runs in a span ``outbox publish``
+- the relay (:func:`publish_span`, :func:`publish_spans` for a round's batches appended
+  together): each append of a batch runs in a span ``outbox publish``
   (kind PRODUCER) *linked* to the context of each row (a batch has many parents; at most
   :data:`MAX_LINKS` links);
 - the consumer (:func:`process_span`): each handler call runs in a span ``outbox process``
@@ -94,6 +95,52 @@ def publish_span(
     tracer = _tracer()
     if tracer is None:
         return _NULL
+    attributes, links = _publish(destinations, headers, count)
+    return _span(tracer, PUBLISH_SPAN, trace.SpanKind.PRODUCER, None, attributes, links)
+
+
+Batch = tuple[Sequence[str], Iterable[str | None], int]
+"""One batch of :func:`publish_spans`: what :func:`publish_span` is given."""
+
+
+@contextlib.contextmanager
+def publish_spans(batches: Sequence[Batch]) -> Iterator[list[Any]]:
+    """:func:`publish_span` of several batches appended together (a relay round's, one Redis
+    round trip): one ``outbox publish`` span each, siblings (children of the current
+    context, none of them current), all around the block. Yields one handle per batch (None
+    while tracing is off) for :func:`failed`; an exception leaving the block is recorded on
+    every span."""
+    tracer = _tracer()
+    if tracer is None:
+        yield [None] * len(batches)
+        return
+    spans = []
+    for destinations, headers, count in batches:
+        attributes, links = _publish(destinations, headers, count)
+        spans.append(tracer.start_span(PUBLISH_SPAN, kind=trace.SpanKind.PRODUCER,
+                                       attributes=attributes, links=links,
+                                       record_exception=False,
+                                       set_status_on_exception=False))
+    try:
+        yield spans
+    except BaseException as exc:
+        for span in spans:
+            _record(span, exc)
+        raise
+    finally:
+        for span in spans:
+            span.end()
+
+
+def failed(span: Any, exc: BaseException) -> None:
+    """Record a batch's failure on its :func:`publish_spans` handle (None: tracing is off)."""
+    if span is not None:
+        _record(span, exc)
+
+
+def _publish(destinations: Sequence[str], headers: Iterable[str | None],
+             count: int) -> tuple[dict[str, Any], list[Any]]:
+    """A publish span's attributes and links (:func:`publish_span`)."""
     links: list[Any] = []
     seen: set[str] = set()  # the events of one request share their context: one link
     for text in headers:
@@ -113,7 +160,7 @@ def publish_span(
     }
     if len(destinations) == 1:
         attributes["messaging.destination.name"] = destinations[0]
-    return _span(tracer, PUBLISH_SPAN, trace.SpanKind.PRODUCER, None, attributes, links)
+    return attributes, links
 
 
 def process_span(
