@@ -157,7 +157,7 @@ def _take_pipelined(
     nothing are asked whether the lease is still theirs, one more); every fresh take's first
     read is sent, then read (one wait); every record is sent, and the pipeline's end waits
     for them. A partition whose lease row records a batch (a retry, rare) is taken after
-    the pipeline, one statement at a time (:func:`_take`'s own code from its fence on).
+    the pipeline, one statement at a time (:func:`_retry_or_take`, as :func:`_take`).
 
     Statements, their order per partition and the locks they take are :func:`_take`'s
     (lease rows in partition order), and so is what comes back."""
@@ -192,10 +192,8 @@ def _take_pipelined(
     except psycopg_driver.error_type() as err:
         raise psycopg_driver.translated(err) from err
     for p, last, batches, now in retries:  # pipeline mode is off: through SQLAlchemy
-        rows = recorded_rows(conn, p, batches, now)
-        if not rows:  # their rows are gone: nothing left to retry
-            rows = take_fresh(conn, p, held[p], batch_size, now, last, [], force_write=True,
-                              waiting=waiting.get(p, frozenset()))
+        rows = _retry_or_take(conn, p, held[p], batch_size, now, last, batches,
+                              waiting.get(p, frozenset()))
         if rows:
             taken[p] = rows
     return taken, sorted(lost)
@@ -250,12 +248,22 @@ def _take(
     if found is None:
         return []
     last, batches, db_now = found
+    return _retry_or_take(conn, partition, epoch, batch_size, db_now, last, batches, waiting)
+
+
+def _retry_or_take(
+    conn: Connection, partition: int, epoch: int, batch_size: int, now: int, last: str,
+    batches: list[Batch], waiting: frozenset[str],
+) -> list[OutboxRow]:
+    """A round's take of a fenced partition: the batches its lease row records come back
+    under their recorded ids; when there are none (or their rows are gone), a fresh batch is
+    taken and recorded."""
     if batches:
-        rows = recorded_rows(conn, partition, batches, db_now)
+        rows = recorded_rows(conn, partition, batches, now)
         if rows:
             return rows
         batches = []  # their rows are gone: nothing left to retry
-    return take_fresh(conn, partition, epoch, batch_size, db_now, last, batches,
+    return take_fresh(conn, partition, epoch, batch_size, now, last, batches,
                       force_write=True, waiting=waiting)
 
 
