@@ -37,7 +37,7 @@ from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import Dialect
 
 from outbox_relay.relay import entry_ids
-from outbox_relay.shared.db import DriverStatement, is_postgres
+from outbox_relay.shared.db import DriverStatement
 from outbox_relay.shared.schema import outbox, relay_leases
 
 
@@ -84,6 +84,12 @@ class Batch:
 # entry_id only if an earlier version of the relay took it (ids were written per row then).
 _CLAIMED = tuple(outbox.c[name] for name in OutboxRow._fields[:13])
 _new_row: Callable[..., OutboxRow] = OutboxRow  # positional construction from those columns
+# A new row of a take, built whole: ``tuple.__new__(OutboxRow, (<the 12 columns up to
+# entry_id>, <its id>, *_FRESH))``, without the named tuple's ``__new__`` (a Python function
+# taking each field as an argument): 0.33 µs a row instead of 0.68 (bench/PERFORMANCE.md,
+# issue 24). ``_FRESH`` is every field after ``entry_id`` at its default.
+_FRESH = tuple(OutboxRow._field_defaults[name] for name in OutboxRow._fields[13:])
+_tuple_new = tuple.__new__
 
 
 def load_batches(text: str) -> list[Batch]:
@@ -232,10 +238,9 @@ def take_fresh(
     Rows of the streams in ``waiting`` (backing off after a refusal, relay/refusals.py) are
     not taken and split runs the same way.
     """
-    postgres = is_postgres(conn)
     rows, runs = drive(
         sendable_reads(partition, batch_size, now, after_seq, inflight, waiting),
-        lambda read: list(conn.execute(_read_query(postgres, read[0]), read[1])),
+        lambda read: read_statement(conn.dialect, read[0]).rows(conn, read[1]),
     ) if batch_size > 0 else ([], [])
     new_batches, new_last, out = new_batch(rows, runs, now, last, batches)
     if rows or force_write:
@@ -255,14 +260,14 @@ def new_batch(
     ms = entry_ids.batch_ms(last, now)  # the database's clock, as leases and trims
     batches = [*batches, *(Batch(first, end, ms) for first, end in runs)]
     new_last = entry_ids.format_id(ms, runs[-1][1])
-    out, legacy = [], False
-    for r in rows:  # positional: the columns are selected in OutboxRow's field order
-        if r[12] is None:
-            out.append(_new_row(*r[:12], f"{ms}-{r[0]}"))
-        else:
-            legacy = True
-            out.append(_new_row(*r[:12], r[12], True))
-    return batches, new_last, _by_id(out) if legacy else out
+    prefix = f"{ms}-"
+    # Positional: the columns are selected in OutboxRow's field order.
+    if all(r[12] is None for r in rows):  # no row carries an id an earlier version wrote
+        return batches, new_last, [
+            _tuple_new(OutboxRow, (*r[:12], prefix + str(r[0]), *_FRESH)) for r in rows]
+    out = [_new_row(*r[:12], prefix + str(r[0])) if r[12] is None
+           else _new_row(*r[:12], r[12], True) for r in rows]
+    return batches, new_last, _by_id(out)
 
 
 # How many times a take reads further when rows were held back. Each read is twice as long as
@@ -419,8 +424,11 @@ def record_statement(dialect: Dialect) -> DriverStatement:
 
 @functools.cache
 def read_statement(dialect: Dialect, left_behind: bool) -> DriverStatement:
-    """A read of :func:`sendable_reads` (:func:`_read_query`) compiled once for the driver,
-    for the pipelined settle (relay/store.py)."""
+    """A read of :func:`sendable_reads` (:func:`_read_query`) compiled once for the driver:
+    every take runs it (the pipelined settle of relay/store.py on psycopg's connection
+    itself). Its rows read as the driver's tuples (:meth:`DriverStatement.rows`) cost the
+    relay ~0.8 µs less each than SQLAlchemy's compiled-statement path read row by row
+    (bench/PERFORMANCE.md, issue 24)."""
     return DriverStatement(_read_query(dialect.name == "postgresql", left_behind), dialect)
 
 

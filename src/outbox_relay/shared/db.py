@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -316,6 +317,17 @@ class DriverStatement:
             return conn.exec_driver_sql(self.sql, given, execution_options=options)
         return conn.exec_driver_sql(self.sql, tuple(given[name] for name in self.order),
                                     execution_options=options)
+
+    def rows(self, conn: Connection, params: dict[str, Any]) -> Sequence[Any]:
+        """Run it like :meth:`execute` and return every row as the driver's own tuple, read
+        with one ``fetchall`` of its cursor: for a hot read of many rows (a relay's take,
+        500 a batch), SQLAlchemy's ``Row`` per row and its fetch cost ~0.7 µs a row more.
+        The statement still goes through SQLAlchemy (its events, its error translation)."""
+        result = self.execute(conn, params)
+        try:
+            return result.cursor.fetchall()
+        finally:
+            result.close()
 
 
 def delete_in_batches(
