@@ -2,8 +2,9 @@
 
 ``PYTHONPATH=<tree>/src:<tree> python bench/ab_relay.py <db> <events> <batch> <partitions>``
 seeds ``events`` undelivered rows (bench/env.py), drains them with one :class:`Relay` in this
-process (``run(until_idle=True)``) and prints one JSON line: events/s of the drain alone (the
-seeding is not timed). Run the trees alternately on the same machine (``ab`` below).
+process (``run(until_idle=True)``, the collector paced as ``outbox relay`` paces it) and
+prints one JSON line: events/s of the drain alone (the seeding is not timed). Run the trees
+alternately on the same machine (``ab`` below).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ def drain(kind: str, events: int, batch: int, partitions: int) -> dict[str, floa
     """One run in this process, with whatever ``relay`` and ``bench`` the path imports."""
     from bench import env
     from outbox_relay.relay.daemon import Relay
+    from outbox_relay.shared import gc_pace
     from outbox_relay.shared.redis_conn import connect_redis
     from outbox_relay.shared.settings import RelaySettings
 
@@ -32,6 +34,7 @@ def drain(kind: str, events: int, batch: int, partitions: int) -> dict[str, floa
             "partitions": partitions, "batch_size": batch, "node_id": "ab",
         })
         relay = Relay(settings, target.engine, connect_redis(env.REDIS_URL))
+        gc_pace.pace(settings.gc_threshold)  # as `outbox relay` runs
         t0 = time.perf_counter()
         stats = relay.run(until_idle=True)
         elapsed = time.perf_counter() - t0
