@@ -4,7 +4,8 @@
 stream with ``events`` entries (untimed), then claims them with one consumer in this process
 for each handler of ``handlers`` (comma-separated rows of :data:`bench.consumer_loop.VARIANTS`:
 ``no-op``, ``one-row`` …; batch 500, each on a fresh group and emptied claim tables, as
-:func:`bench.scenarios.consumer_handlers` runs them) and prints one JSON line: per handler,
+:func:`bench.scenarios.consumer_handlers` runs them, the collector paced as ``outbox
+consume`` paces it) and prints one JSON line: per handler,
 claims/s and this process's CPU µs per claim (every thread; on SQLite the database's work
 too). CPU per claim moves much less than claims/s with the load of a shared machine.
 
@@ -28,6 +29,9 @@ def claim(kind: str, events: int, handlers: list[str]) -> dict[str, dict[str, fl
     """One run of each handler in this process, with whatever code the path imports."""
     from bench import consumer_loop, env, scenarios
     from outbox_relay.consumer import streams
+    from outbox_relay.shared import gc_pace
+
+    gc_pace.pace()  # as `outbox consume` runs (and `python -m bench`)
 
     with tempfile.TemporaryDirectory() as workdir:
         target = env.open_target(kind, workdir)

@@ -166,9 +166,9 @@ def _lease_held(postgres: bool) -> Any:
 
 @functools.cache
 def fence_statement(dialect: Dialect, idle_skip: bool) -> DriverStatement:
-    """:func:`fence`'s statement compiled once for the driver: the pipelined take
-    (relay/store.py) sends it on psycopg's connection itself. Parameters:
-    :func:`lease_params`; its row (or none): :func:`fence`'s."""
+    """:func:`fence`'s statement compiled once for the driver (every take and settle runs
+    it; the pipelined take of relay/store.py sends it on psycopg's connection itself).
+    Parameters: :func:`lease_params`; its row (or none): :func:`fence`'s."""
     return DriverStatement(_fence_query(dialect.name == "postgresql", idle_skip), dialect)
 
 
@@ -213,11 +213,10 @@ def fence(
     (hosts' clocks may differ by more than the TTL), and the caller uses the returned clock
     for whatever else the transaction timestamps (``delivered_at_ms``), so the relay has one.
     """
-    postgres = is_postgres(conn)
     params = lease_params(partition, node_id, epoch, ttl_ms)
-    found = conn.execute(_fence_query(postgres, idle_skip), params).first()
+    found = fence_statement(conn.dialect, idle_skip).execute(conn, params).first()
     if found is not None:
         return str(found[0]), load_batches(found[1]), int(found[2])
-    if not idle_skip or conn.execute(_lease_held(postgres), params).first() is None:
+    if not idle_skip or held_statement(conn.dialect).execute(conn, params).first() is None:
         raise LeaseLostError(f"partition {partition} is no longer ours (epoch {epoch})")
     return None

@@ -406,7 +406,7 @@ def record(
     conn: Connection, partition: int, epoch: int, batches: list[Batch], last: str
 ) -> None:
     """Write the lease row's batch record and last assigned entry id (the caller fenced it)."""
-    conn.execute(_record_query(), record_params(partition, epoch, batches, last))
+    record_statement(conn.dialect).execute(conn, record_params(partition, epoch, batches, last))
 
 
 def record_params(partition: int, epoch: int, batches: list[Batch], last: str) -> dict[str, Any]:
@@ -417,8 +417,8 @@ def record_params(partition: int, epoch: int, batches: list[Batch], last: str) -
 
 @functools.cache
 def record_statement(dialect: Dialect) -> DriverStatement:
-    """:func:`record`'s write compiled once for the driver: the pipelined settle
-    (relay/store.py) sends it on psycopg's connection itself."""
+    """:func:`record`'s write compiled once for the driver (every take and settle runs it;
+    the pipelined settle of relay/store.py sends it on psycopg's connection itself)."""
     return DriverStatement(_record_query(), dialect)
 
 

@@ -278,12 +278,9 @@ def _mark_delivered(
     prefix = _one_batch_prefix(pairs)
     if prefix is not None:
         seqs = [s for s, _ in pairs]
-        if postgres:
-            _mark_seqs(conn.dialect).execute(conn, {"b_seqs": seqs, "b_prefix": prefix,
-                                                    "b_part": partition, "b_now": now})
-        else:
-            conn.execute(_mark_seqs_query(False), {"b_seqs": json.dumps(seqs), "b_prefix": prefix,
-                                                   "b_part": partition, "b_now": now})
+        _mark_seqs(conn.dialect).execute(conn, {
+            "b_seqs": seqs if postgres else json.dumps(seqs), "b_prefix": prefix,
+            "b_part": partition, "b_now": now})
         return
     if not postgres:
         conn.execute(_mark_query(False), {"b_pairs": json.dumps(pairs), "b_now": now})
@@ -310,9 +307,10 @@ def _one_batch_prefix(pairs: list[tuple[int, str]]) -> str | None:
 
 @functools.cache
 def _mark_seqs(dialect: Dialect) -> DriverStatement:
-    """:func:`_mark_seqs_query` on PostgreSQL, compiled once, the seqs sent as one binary
-    array (psycopg's text dumper formats each integer in Python)."""
-    return DriverStatement(_mark_seqs_query(True), dialect, binary=("b_seqs",))
+    """:func:`_mark_seqs_query` compiled once for the driver; on PostgreSQL the seqs are sent
+    as one binary array (psycopg's text dumper formats each integer in Python)."""
+    return DriverStatement(_mark_seqs_query(dialect.name == "postgresql"), dialect,
+                           binary=("b_seqs",))
 
 
 @functools.cache
