@@ -9,7 +9,7 @@ and non-ASCII text, integers beyond 32 bits, empty arrays) arrive intact in bina
 from __future__ import annotations
 
 import pytest
-from sqlalchemy import BigInteger, Engine, String, bindparam, func, literal, select
+from sqlalchemy import BigInteger, Engine, String, bindparam, event, func, literal, select
 from sqlalchemy.dialects import postgresql
 
 from outbox_relay.shared.db import DriverStatement, is_postgres
@@ -59,3 +59,31 @@ def test_only_psycopg_3_gets_binary_placeholders() -> None:
     query = select(func.unnest(bindparam("b_values", type_=postgresql.ARRAY(BigInteger))))
     assert "%(b_values)b" in DriverStatement(query, pg3.dialect(), binary=("b_values",)).sql
     assert "%(b_values)s" in DriverStatement(query, pg2.dialect(), binary=("b_values",)).sql
+
+
+def test_rows_are_the_drivers_tuples_and_the_statement_still_goes_through_sqlalchemy(
+    engine: Engine,
+) -> None:
+    """``rows`` (a relay take's read) returns what the Core statement returns, as the
+    driver's own tuples, and SQLAlchemy's cursor events still see the statement (tracing,
+    the tests' statement recorders); the connection runs the next statement as usual."""
+    values = select(func.coalesce(bindparam("b_x", type_=String), literal("d")).label("v"),
+                    literal(2**40, BigInteger).label("n")).subquery()
+    query = select(values.c.v, values.c.n).union_all(select(literal("z"), literal(1)))
+    statement = DriverStatement(query, engine.dialect)
+    seen: list[str] = []
+
+    def on_execute(_conn: object, _cursor: object, sql: str, *_args: object) -> None:
+        seen.append(sql)
+
+    with engine.connect() as conn:
+        event.listen(engine, "before_cursor_execute", on_execute)
+        try:
+            rows = statement.rows(conn, {"b_x": "given"})
+            again = statement.rows(conn, {"b_x": None})
+        finally:
+            event.remove(engine, "before_cursor_execute", on_execute)
+        assert seen == [statement.sql, statement.sql]
+        assert [type(r) for r in rows] == [tuple, tuple]
+        assert sorted(rows) == sorted(tuple(r) for r in conn.execute(query, {"b_x": "given"}))
+        assert sorted(again) == [("d", 2**40), ("z", 1)]
