@@ -9,7 +9,7 @@ and non-ASCII text, integers beyond 32 bits, empty arrays) arrive intact in bina
 from __future__ import annotations
 
 import pytest
-from sqlalchemy import BigInteger, Engine, String, bindparam, event, func, literal, select
+from sqlalchemy import BigInteger, Engine, String, bindparam, event, exc, func, literal, select
 from sqlalchemy.dialects import postgresql
 
 from outbox_relay.shared.db import DriverStatement, is_postgres
@@ -87,3 +87,26 @@ def test_rows_are_the_drivers_tuples_and_the_statement_still_goes_through_sqlalc
         assert [type(r) for r in rows] == [tuple, tuple]
         assert sorted(rows) == sorted(tuple(r) for r in conn.execute(query, {"b_x": "given"}))
         assert sorted(again) == [("d", 2**40), ("z", 1)]
+
+
+def test_an_error_while_rows_are_fetched_is_sqlalchemys(engine: Engine) -> None:
+    """SQLite steps through a result's rows as they are fetched, so a statement can fail
+    after it started: that error reaches the caller as SQLAlchemy's (what the relay's
+    ``translate_errors`` judges), as when SQLAlchemy reads the rows itself."""
+    if is_postgres(engine):
+        pytest.skip("psycopg has every row before execute returns: nothing fails in its fetch")
+    numbers = func.json_each(literal(str(list(range(1, 11))))).table_valued("value")
+    query = select(func.boom(numbers.c.value))
+    statement = DriverStatement(query, engine.dialect)
+
+    def boom(n: int) -> int:
+        if n > 3:
+            raise ValueError("past the third row")
+        return n
+
+    with engine.connect() as conn:
+        conn.connection.driver_connection.create_function("boom", 1, boom)
+        statement.execute(conn, {}).close()  # the statement starts: the first row is fine
+        with pytest.raises(exc.OperationalError):
+            statement.rows(conn, {})  # the fourth, fetched, is not
+        assert statement.execute(conn, {}).fetchmany(2) == [(1,), (2,)]  # usable afterwards
