@@ -310,8 +310,13 @@ def verify(
     accepted = superseded_latest(snap.receipts, {x.event_id: x.type for x in snap.events},
                                  strict)
     v.superseded_latest = len(accepted)
-    v.out_of_order = sum(1 for x in snap.receipts
-                         if x.outcome == DEAD and x.reason == OUT_OF_ORDER)
+    marked = {x.event_id: x.entry_id for x in snap.events}
+    for x in snap.receipts:
+        if x.outcome == DEAD and x.reason == OUT_OF_ORDER:  # kept, so a run can be traced
+            v.note("out_of_order",
+                   f"{x.group_name}/{x.event_id}: {x.aggregate_type}/{x.aggregate_id} revision "
+                   f"{x.revision} from {x.stream_key} {x.entry_id} (marked "
+                   f"{marked.get(x.event_id)}), received {x.created_at_ms}")
     for group in groups:
         read = [x for x in snap.events if reads_stream(group, x.stream)]
         _receipts_and_effects(v, read, [group], snap.receipts, snap.effects, accepted, strict)

@@ -228,9 +228,12 @@ def test_an_out_of_order_letter_is_counted_and_skips_its_event(world: World) -> 
     for event_id in (N1, C2, T1, T2, PLAIN):
         world.apply(event_id)
     world.receipt(C1, "dead", "out_of_order")
-    assert broken(world.verify()) == {
+    verdict = world.verify()
+    assert broken(verdict) == {
         "out_of_order": 1, "skipped": 1, "not_applied": 1, "order_violations": 1,
     }
+    [example] = verdict.examples["out_of_order"]  # what a run's report keeps to trace it
+    assert example.startswith(f"{GROUP}/{C1}: ") and "revision" in example
 
 
 def test_a_stale_receipt_is_no_longer_accepted(world: World) -> None:
