@@ -427,7 +427,7 @@ def read_statement(dialect: Dialect, left_behind: bool) -> DriverStatement:
     """A read of :func:`sendable_reads` (:func:`_read_query`) compiled once for the driver:
     every take runs it (the pipelined settle of relay/store.py on psycopg's connection
     itself). Its rows read as the driver's tuples (:meth:`DriverStatement.rows`) cost the
-    relay ~0.8 µs less each than SQLAlchemy's compiled-statement path read row by row
+    relay ~0.6 µs less each than SQLAlchemy's compiled-statement path read row by row
     (bench/PERFORMANCE.md, issue 24)."""
     return DriverStatement(_read_query(dialect.name == "postgresql", left_behind), dialect)
 

@@ -321,7 +321,8 @@ class DriverStatement:
     def rows(self, conn: Connection, params: dict[str, Any]) -> Sequence[Any]:
         """Run it like :meth:`execute` and return every row as the driver's own tuple, read
         with one ``fetchall`` of its cursor by SQLAlchemy's fetch strategy: for a hot read of
-        many rows (a relay's take, 500 a batch), a ``Row`` per row cost ~0.7 µs a row more.
+        many rows (a relay's take, 500 a batch), the Core statement's ``Row``s, read one by one,
+        cost ~0.6 µs a row more (bench/PERFORMANCE.md, issue 24).
         The statement, and the fetch, still go through SQLAlchemy: its events see it, and a
         driver error while rows are fetched (SQLite steps through them then) is SQLAlchemy's
         error, as for any statement, never the driver's own."""
