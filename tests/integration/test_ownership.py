@@ -17,6 +17,7 @@ from sqlalchemy import Connection, Engine, select, text
 from outbox_relay.cli import status
 from outbox_relay.consumer import Handlers, ownership, streams
 from outbox_relay.consumer.daemon import Consumer
+from outbox_relay.shared import keys
 from outbox_relay.shared.db import now_ms
 from outbox_relay.shared.envelope import Event
 from outbox_relay.shared.errors import ConfigError
@@ -333,6 +334,62 @@ def test_a_stale_read_by_a_fenced_out_consumer_is_applied_before_anything_newer(
                what="b to apply both revisions")
     assert applied_order(effects_engine) == [(rev1.id, "b"), (rev2.id, "b")]
     assert pending_total(redis_client, key_prefix) == 0
+
+
+class FailsFirst(Recorder):
+    """A recorder whose handler fails the first call of one event (then succeeds)."""
+
+    def __init__(self, name: str, event_id: str) -> None:
+        super().__init__(name)
+        self.event_id = event_id
+
+    def handle(self, conn: Connection, ev: Event) -> None:
+        if ev.id == self.event_id and self.event_id not in self.calls:
+            self.calls.append(ev.id)
+            raise RuntimeError("the first call of this event fails on purpose")
+        super().handle(conn, ev)
+
+
+def test_a_stale_take_over_during_the_owners_pending_pass_does_not_let_a_newer_revision_by(
+    effects_engine: Engine, redis_client: redis.Redis, key_prefix: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The torture's ``out_of_order`` finding (docs/guarantees.md): revision 1 failed and
+    revision 2 waits behind it, both pending for the owner b. A fenced-out consumer whose
+    process paused inside its own pending pass (after its lease check, before its
+    ``XCLAIM``) wakes and moves b's pending revision 1 to itself, just after b's pass took
+    its key over and cleared what it knew of blocked aggregates. b's pass then re-reads only
+    revision 2: it must not apply it. It sees another consumer's pending entry on its key,
+    takes it back and applies 1 then 2; nothing is dead-lettered."""
+    agg_key = keys.stream_key(key_prefix, STREAM, 0)
+    agg = aggregates_on(key_prefix, agg_key, 1)[0]
+    rev1, rev2 = event(agg, 1), event(agg, 2)
+    rb = FailsFirst("b", rev1.id)
+    b = owned(effects_engine, redis_client, key_prefix, "b", rb, claim_interval_ms=200)
+    wait_until(lambda: step(b) and len(b.leases.held) == PARTITIONS, what="b to own every key")
+    first = xadd_event(redis_client, key_prefix, rev1)
+    xadd_event(redis_client, key_prefix, rev2)
+    wait_until(lambda: step(b) and rb.calls == [rev1.id], what="revision 1 to fail once")
+    assert applied_order(effects_engine) == []  # revision 2 waits behind revision 1
+    real = streams.take_over
+    stolen: list[str] = []
+
+    def then_stolen(client: redis.Redis, key: str, *args: Any, **kwargs: Any) -> Any:
+        got = real(client, key, *args, **kwargs)
+        if key == agg_key and not stolen:  # the paused old owner's XCLAIM lands now
+            stolen.extend(streams.text(i) for i in
+                          client.xclaim(key, GROUP, "a", 0, [first], justid=True))
+        return got
+
+    monkeypatch.setattr(streams, "take_over", then_stolen)
+    b.recheck_pending()
+    wait_until(lambda: step(b) and pending_total(redis_client, key_prefix) == 0,
+               what="b to settle both revisions")
+    assert stolen == [first]
+    assert applied_order(effects_engine) == [(rev1.id, "b"), (rev2.id, "b")]
+    with effects_engine.connect() as conn:
+        outcomes = dict(conn.execute(select(inbox.c.event_id, inbox.c.outcome)).all())
+    assert outcomes == {rev1.id: "applied", rev2.id: "applied"}
 
 
 def test_the_claims_fence_extends_the_leases_it_checks_and_names_each_one_lost(

@@ -99,10 +99,11 @@ def foreign_pending(
     """The keys on which another consumer of ``group`` holds pending entries (``XPENDING``
     summaries, pipelined).
 
-    The owner of a partition stream asks after each read: a consumer that lost the lease can
-    still have had a read executed by Redis after the takeover (its process paused between its
-    lease check and the send), leaving older entries in its pending list; the owner must take
-    those over and apply them first, never read past them.
+    The owner of a partition stream asks after each read, new or pending: a consumer that
+    lost the lease can still have had a read, or an ``XCLAIM`` of its own pending pass,
+    executed by Redis after the takeover (its process paused between its lease check and the
+    send), leaving entries older than what the owner reads next in its pending list; the
+    owner must take those over and apply them first, never read past them.
     """
     if not stream_keys:
         return set()
