@@ -28,7 +28,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -181,8 +181,11 @@ def make_plan(args: argparse.Namespace) -> Plan:
 
 
 @contextmanager
-def database(kind: str, workdir: Path, pg_url: str, tag: str, keep: bool) -> Iterator[str]:
-    """A fresh database URL: a SQLite file, or a PostgreSQL schema dropped afterwards."""
+def database(kind: str, workdir: Path, pg_url: str, tag: str,
+             keep: bool | Callable[[], bool]) -> Iterator[str]:
+    """A fresh database URL: a SQLite file, or a PostgreSQL schema dropped afterwards unless
+    ``keep`` (asked at the end when callable: a run that found violations keeps its schema,
+    so what went wrong can be read from the tables)."""
     if kind == "sqlite":
         yield f"sqlite:///{workdir}/torture.db"
         return
@@ -193,7 +196,7 @@ def database(kind: str, workdir: Path, pg_url: str, tag: str, keep: bool) -> Ite
     try:
         yield f"{pg_url}?options=-csearch_path%3D{schema}&application_name=outbox-{schema}"
     finally:
-        if not keep:
+        if not (keep() if callable(keep) else keep):
             _drop_schema(admin, schema)
         admin.dispose()
 
@@ -326,8 +329,10 @@ def run_one(kind: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
     kids: list[Child] = []
     plan = make_plan(args)
     server: Broker | None = None
+    found: list[str] = []  # the checker's violations, known before the schema would go
     try:
-        with database(kind, workdir, args.pg_url, tag, args.keep) as url:
+        with database(kind, workdir, args.pg_url, tag,
+                      lambda: bool(args.keep or found)) as url:
             # The harness's own sessions carry another application_name: never terminated.
             engine = db.make_engine(url.replace("application_name=outbox-", "application_name=h-"))
             runs_schema.upgrade(engine)  # the core and the runs tables
@@ -367,6 +372,7 @@ def run_one(kind: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
                                    worker_group=WORKER_GROUP if args.run_worker else None,
                                    retention=retention_of(env), reads=READS,
                                    chain=(GROUP, app.CHAIN_GROUP))
+            found += verdict.violations(runs_must_finish=args.run_worker)
             retained = retention_report(engine, server.client(), prefix)
             engine.dispose()
             reader.dispose()
@@ -434,6 +440,8 @@ def run_one(kind: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
         shutil.rmtree(workdir, ignore_errors=True)
     else:
         report["work_dir"] = str(workdir)
+    if kind == "postgresql" and (args.keep or found):
+        report["pg_schema"] = f"torture_{tag}"  # kept: drop it by hand when read
     return report
 
 
