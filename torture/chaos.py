@@ -1,7 +1,8 @@
 """The fault loop: restart the dead (armed with a fault point), kill at random, pause consumers
-and workers (SIGSTOP, then SIGCONT; most pauses outlast their lease), break the broker and the
-database on a schedule, take the handlers' downstream down for one window, and count every kill
-by where it happened."""
+and workers (SIGSTOP, then SIGCONT; most pauses outlast their lease), send a fenced-out
+consumer's late commands (torture/ghost.py), break the broker and the database on a schedule,
+take the handlers' downstream down for one window, and count every kill by where it
+happened."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from pathlib import Path
 from sqlalchemy import Engine, text
 
 from torture.brokers import Broker
+from torture.ghost import GHOST_CLAIM, Ghost
 from torture.procs import Child
 
 log = logging.getLogger("torture")
@@ -63,6 +65,9 @@ class Plan:
     # (0: no outage); the run does not end before it is back.
     outage_at_s: float = 10.0
     outage_s: float = 0.0
+    # A fenced-out consumer's late command (torture/ghost.py) every this many seconds on
+    # average (0: none).
+    ghost_every_s: float = 0.0
 
 
 @dataclass
@@ -106,9 +111,11 @@ class Chaos:
         outage_file: Path | None = None,
         flowing: Callable[[], bool] | None = None,
         felt: Callable[[], bool] | None = None,
+        ghost: Ghost | None = None,
     ) -> None:
         self.plan = plan
         self.outage_file = outage_file
+        self.ghost = ghost if plan.ghost_every_s else None
         self.flowing = flowing
         self.felt = felt
         self._asked_at = 0.0
@@ -158,6 +165,8 @@ class Chaos:
         next_db = started + self.plan.db_every_s / 2
         next_pause = started + (self.plan.pause_every_s / 2 if self.plan.pause_every_s
                                 else float("inf"))
+        next_ghost = started + (self.rng.expovariate(1 / self.plan.ghost_every_s)
+                                if self.ghost is not None else float("inf"))
         broker_i = 0
         while True:
             now = time.monotonic()
@@ -177,6 +186,11 @@ class Chaos:
                     next_broker = time.monotonic() + self.plan.broker_every_s
                 else:  # nothing to lose yet: try again soon
                     next_broker = time.monotonic() + 1.0
+            if self.ghost is not None and now >= next_ghost:
+                done = self.ghost.haunt(self.rng)
+                if done is not None:
+                    self.tally.faults[done] += 1
+                next_ghost = now + self.rng.expovariate(1 / self.plan.ghost_every_s)
             if self.terminate_backends is not None and now >= next_db:
                 n = self.terminate_backends()
                 self.tally.faults[DB_FAULT] += 1
@@ -192,6 +206,8 @@ class Chaos:
         ) and (self.terminate_backends is None or self.tally.faults[DB_FAULT]))
         if self.plan.pause_every_s:
             covered = covered and bool(self.tally.pauses_past_lease and self.tally.pauses_short)
+        if self.ghost is not None:
+            covered = covered and bool(self.tally.faults[GHOST_CLAIM])
         return (
             elapsed >= self.plan.duration_s
             and self.tally.total_kills() >= self.plan.kills

@@ -1,0 +1,66 @@
+"""The torture's ghost consumer (torture/ghost.py): what its late commands do to a group."""
+
+from __future__ import annotations
+
+import random
+
+import fakeredis
+import pytest
+import redis
+
+from torture.ghost import GHOST_CLAIM, GHOST_READ, Ghost
+
+KEY, GROUP = "ghost:stream", "g"
+
+
+def pending_by_consumer(client: redis.Redis) -> dict[str, int]:
+    summary = client.xpending(KEY, GROUP)
+    return {c["name"].decode(): int(c["pending"]) for c in summary["consumers"] or []}
+
+
+@pytest.fixture
+def client() -> redis.Redis:
+    c = fakeredis.FakeRedis()
+    for i in range(10):
+        c.xadd(KEY, {"n": str(i)})
+    c.xgroup_create(KEY, GROUP, id="0")
+    return c
+
+
+def test_a_ghost_claims_pending_entries_away_from_their_owner_or_reads_new_ones(
+    client: redis.Redis,
+) -> None:
+    client.xreadgroup(GROUP, "owner", {KEY: ">"}, count=6)  # 6 pending for the owner, 4 new
+    ghost = Ghost(lambda: client, [(KEY, GROUP)])
+    rng = random.Random(7)
+    seen = set()
+    taken_from_owner = False
+    for _ in range(40):
+        before = pending_by_consumer(client)
+        done = ghost.haunt(rng)
+        after = pending_by_consumer(client)
+        ghosts = sum(n for name, n in after.items() if name.startswith("ghost-"))
+        if done == GHOST_CLAIM:  # moved, never acknowledged: the group's total is the same
+            assert after.get("owner", 0) <= before.get("owner", 0)
+            assert sum(after.values()) == sum(before.values())
+            if before == {"owner": 6}:  # the first claim: it can only come from the owner
+                assert after["owner"] < 6
+                taken_from_owner = True
+        elif done == GHOST_READ:  # new entries now pending for a ghost
+            assert sum(after.values()) > sum(before.values())
+        else:
+            assert after == before
+        assert ghosts == sum(after.values()) - after.get("owner", 0)
+        seen.add(done)
+    assert {GHOST_CLAIM, GHOST_READ} <= seen and taken_from_owner
+    assert sum(pending_by_consumer(client).values()) == 10  # every entry read, none acked
+
+
+def test_a_ghost_without_a_group_or_redis_does_nothing() -> None:
+    empty = fakeredis.FakeRedis()
+    assert Ghost(lambda: empty, [("nowhere", GROUP)]).haunt(random.Random(1)) is None
+
+    def down() -> redis.Redis:
+        raise redis.ConnectionError("down")
+
+    assert Ghost(down, [(KEY, GROUP)]).haunt(random.Random(1)) is None
