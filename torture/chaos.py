@@ -65,8 +65,8 @@ class Plan:
     # (0: no outage); the run does not end before it is back.
     outage_at_s: float = 10.0
     outage_s: float = 0.0
-    # A fenced-out consumer's late command (torture/ghost.py) every this many seconds on
-    # average (0: none).
+    # Bursts of a fenced-out consumer's late commands (torture/ghost.py), one every this
+    # many seconds on average (0: none).
     ghost_every_s: float = 0.0
 
 
@@ -115,7 +115,7 @@ class Chaos:
     ) -> None:
         self.plan = plan
         self.outage_file = outage_file
-        self.ghost = ghost if plan.ghost_every_s else None
+        self.ghost = ghost
         self.flowing = flowing
         self.felt = felt
         self._asked_at = 0.0
@@ -152,9 +152,14 @@ class Chaos:
     def run(self) -> Tally:
         """Loop until duration, kill count and coverage are met (or the hard cap); every paused
         process is woken and the downstream is back when it returns."""
+        if self.ghost is not None:
+            self.ghost.start()
         try:
             return self._loop()
         finally:
+            if self.ghost is not None:
+                self.ghost.stop()
+                self.tally.faults.update(self.ghost.counts)
             self._resume_paused(float("inf"))
             self._outage(float("inf"), end=True)
 
@@ -165,8 +170,6 @@ class Chaos:
         next_db = started + self.plan.db_every_s / 2
         next_pause = started + (self.plan.pause_every_s / 2 if self.plan.pause_every_s
                                 else float("inf"))
-        next_ghost = started + (self.rng.expovariate(1 / self.plan.ghost_every_s)
-                                if self.ghost is not None else float("inf"))
         broker_i = 0
         while True:
             now = time.monotonic()
@@ -186,11 +189,6 @@ class Chaos:
                     next_broker = time.monotonic() + self.plan.broker_every_s
                 else:  # nothing to lose yet: try again soon
                     next_broker = time.monotonic() + 1.0
-            if self.ghost is not None and now >= next_ghost:
-                done = self.ghost.haunt(self.rng)
-                if done is not None:
-                    self.tally.faults[done] += 1
-                next_ghost = now + self.rng.expovariate(1 / self.plan.ghost_every_s)
             if self.terminate_backends is not None and now >= next_db:
                 n = self.terminate_backends()
                 self.tally.faults[DB_FAULT] += 1
@@ -207,7 +205,7 @@ class Chaos:
         if self.plan.pause_every_s:
             covered = covered and bool(self.tally.pauses_past_lease and self.tally.pauses_short)
         if self.ghost is not None:
-            covered = covered and bool(self.tally.faults[GHOST_CLAIM])
+            covered = covered and bool(self.ghost.counts[GHOST_CLAIM])
         return (
             elapsed >= self.plan.duration_s
             and self.tally.total_kills() >= self.plan.kills

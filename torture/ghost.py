@@ -17,6 +17,9 @@ from __future__ import annotations
 
 import logging
 import random
+import threading
+import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -29,30 +32,87 @@ GHOST_READ = "consumer.ghost_read"  # new entries read by a consumer that has no
 
 
 class Ghost:
-    """Sends one late command of a fenced-out consumer to a random (stream key, group)."""
+    """A fenced-out consumer's late commands on random (stream key, group) pairs, in bursts
+    from a thread of its own (:meth:`start`, :meth:`stop`), one every ``every_s`` seconds on
+    average; :attr:`counts` says how many bursts claimed entries away or read new ones."""
 
     def __init__(self, client: Callable[[], redis.Redis],
-                 targets: Sequence[tuple[str, str]]) -> None:
+                 targets: Sequence[tuple[str, str]], *, every_s: float, seed: int) -> None:
         self.client = client
         self.targets = list(targets)
+        self.every_s = every_s
+        self.rng = random.Random(seed)
+        self.counts: Counter[str] = Counter()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
 
-    def haunt(self, rng: random.Random) -> str | None:
-        """One command; the fault it was (:data:`GHOST_CLAIM`, :data:`GHOST_READ`), or None
-        when it found nothing to take (no pending or new entry, no group yet, Redis down)."""
-        key, group = rng.choice(self.targets)
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="ghost", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.rng.expovariate(1 / self.every_s)):
+            done = self.haunt(self.rng)
+            if done is not None:
+                self.counts[done] += 1
+
+    def haunt(self, rng: random.Random, for_s: float = 2.0, gap_s: float = 0.002) -> str | None:
+        """Late commands ``gap_s`` apart for ``for_s`` seconds on one random (stream key,
+        group): the owner's window that matters is short (between its pending pass's take
+        over and its first read, a millisecond), and one command a few seconds apart would
+        seldom land in it; for two seconds (two of the torture's pending checks), every pass
+        the owner starts meets one. The fault it was (:data:`GHOST_CLAIM` if any command
+        claimed entries away, else :data:`GHOST_READ` if any read new ones), or None when it
+        found nothing to take (no pending or new entry, no group yet, Redis down)."""
+        key, group = self._target(rng)
+        done: set[str] = set()
+        until = time.monotonic() + for_s
+        while True:
+            found = self._one(rng, key, group)
+            if found is not None:
+                done.add(found)
+            if time.monotonic() >= until or self._stop.wait(gap_s):
+                break
+        moved = GHOST_CLAIM if GHOST_CLAIM in done else None
+        return moved or (GHOST_READ if done else None)
+
+    def _target(self, rng: random.Random) -> tuple[str, str]:
+        """A random pair on which a consumer other than a ghost holds pending entries (the
+        only ones a claim can move), else any pair (a read may still take new entries)."""
+        try:
+            pipe = self.client().pipeline(transaction=False)
+            for key, group in self.targets:
+                pipe.xpending(key, group)
+            replies: Any = pipe.execute(raise_on_error=False)
+        except redis.RedisError:
+            replies = []
+        held = [t for t, reply in zip(self.targets, replies, strict=False)
+                if isinstance(reply, dict) and any(
+                    not c["name"].startswith(b"ghost-") for c in reply.get("consumers") or [])]
+        return rng.choice(held or self.targets)
+
+    def _one(self, rng: random.Random, key: str, group: str) -> str | None:
         name = f"ghost-{rng.randrange(5)}"
         try:
             client = self.client()
             rows: Any = client.xpending_range(key, group, min="-", max="+", count=20)
-            if rows and rng.random() < 0.75:
-                ids = [r["message_id"] for r in rows]
-                oldest = ids[:rng.randint(1, 5)]
-                taken = oldest if rng.random() < 0.5 else rng.sample(ids, rng.randint(1, len(ids)))
+            owned = [r["message_id"] for r in rows if not r["consumer"].startswith(b"ghost-")]
+            if owned and rng.random() < 0.9:
+                oldest = owned[:rng.randint(1, 5)]
+                taken = (oldest if rng.random() < 0.5
+                         else rng.sample(owned, rng.randint(1, len(owned))))
                 client.xclaim(key, group, name, 0, taken, justid=True)
-                log.info("%s claimed %d pending entries of %s away", name, len(taken), key)
+                log.debug("%s claimed %d pending entries of %s away", name, len(taken), key)
                 return GHOST_CLAIM
-            got: Any = client.xreadgroup(group, name, {key: ">"}, count=rng.randint(1, 3))
-            return GHOST_READ if got else None
+            if rng.random() < 0.1:
+                got: Any = client.xreadgroup(group, name, {key: ">"}, count=rng.randint(1, 3))
+                return GHOST_READ if got else None
+            return None
         except redis.RedisError as err:  # down, stalled, no group yet: nothing to haunt
             log.debug("ghost of %s: %s", key, type(err).__name__)
             return None

@@ -174,12 +174,12 @@ def make_plan(args: argparse.Namespace) -> Plan:
                     rates={"relay": 0.5, "consumer": 0.5, "producer": 0.004, "worker": 0.3},
                     random_kill_every_s=2.5, broker_every_s=7.0, db_every_s=6.0,
                     unarmed_share=0.0, pause_every_s=4.0, lease_s=lease_s,
-                    outage_at_s=10.0, outage_s=args.outage_s, ghost_every_s=2.0)
+                    outage_at_s=10.0, outage_s=args.outage_s, ghost_every_s=4.0)
     return Plan(duration_s=args.duration, kills=args.kills, max_s=args.max_duration,
                 rates={"relay": 0.15, "consumer": 0.25, "producer": 0.004, "worker": 0.15},
                 random_kill_every_s=1.0, broker_every_s=15.0, db_every_s=8.0,
                 pause_every_s=5.0, lease_s=lease_s, outage_at_s=30.0, outage_s=args.outage_s,
-                ghost_every_s=3.0)
+                ghost_every_s=6.0)
 
 
 @contextmanager
@@ -365,7 +365,9 @@ def run_one(kind: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
                           ghost=Ghost(server.client, [
                               (keys.stream_key(prefix, stream, p), group)
                               for group, streams in sorted(READS.items())
-                              for stream in sorted(streams) for p in range(PARTITIONS)]))
+                              for stream in sorted(streams) for p in range(PARTITIONS)],
+                              every_s=plan.ghost_every_s, seed=seed)
+                          if plan.ghost_every_s else None)
             started = time.monotonic()
             log.info("%s: faults start (work dir %s)", kind, workdir)
             tally = chaos.run()

@@ -31,13 +31,13 @@ def test_a_ghost_claims_pending_entries_away_from_their_owner_or_reads_new_ones(
     client: redis.Redis,
 ) -> None:
     client.xreadgroup(GROUP, "owner", {KEY: ">"}, count=6)  # 6 pending for the owner, 4 new
-    ghost = Ghost(lambda: client, [(KEY, GROUP)])
+    ghost = Ghost(lambda: client, [(KEY, GROUP)], every_s=1, seed=1)
     rng = random.Random(7)
     seen = set()
     taken_from_owner = False
     for _ in range(40):
         before = pending_by_consumer(client)
-        done = ghost.haunt(rng)
+        done = ghost.haunt(rng, for_s=0)
         after = pending_by_consumer(client)
         ghosts = sum(n for name, n in after.items() if name.startswith("ghost-"))
         if done == GHOST_CLAIM:  # moved, never acknowledged: the group's total is the same
@@ -58,9 +58,10 @@ def test_a_ghost_claims_pending_entries_away_from_their_owner_or_reads_new_ones(
 
 def test_a_ghost_without_a_group_or_redis_does_nothing() -> None:
     empty = fakeredis.FakeRedis()
-    assert Ghost(lambda: empty, [("nowhere", GROUP)]).haunt(random.Random(1)) is None
+    assert Ghost(lambda: empty, [("nowhere", GROUP)], every_s=1, seed=1).haunt(
+        random.Random(1), for_s=0.05) is None
 
     def down() -> redis.Redis:
         raise redis.ConnectionError("down")
 
-    assert Ghost(down, [(KEY, GROUP)]).haunt(random.Random(1)) is None
+    assert Ghost(down, [(KEY, GROUP)], every_s=1, seed=1).haunt(random.Random(1), for_s=0) is None
