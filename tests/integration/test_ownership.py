@@ -7,6 +7,8 @@ leases. A "crash" is a consumer whose loop is no longer run: it neither renews n
 from __future__ import annotations
 
 import threading
+import time
+from collections import Counter
 from typing import Any
 
 import pytest
@@ -390,6 +392,76 @@ def test_a_stale_take_over_during_the_owners_pending_pass_does_not_let_a_newer_r
     with effects_engine.connect() as conn:
         outcomes = dict(conn.execute(select(inbox.c.event_id, inbox.c.outcome)).all())
     assert outcomes == {rev1.id: "applied", rev2.id: "applied"}
+
+
+class FailsSome(Recorder):
+    """A recorder whose handler fails the first call of every event in ``failing``."""
+
+    def __init__(self, name: str, failing: set[str]) -> None:
+        super().__init__(name)
+        self.failing = failing
+
+    def handle(self, conn: Connection, ev: Event) -> None:
+        if ev.id in self.failing:
+            self.failing.discard(ev.id)
+            raise RuntimeError("this event's first call fails on purpose")
+        super().handle(conn, ev)
+
+
+def test_strict_order_holds_while_a_ghost_keeps_claiming_the_owners_oldest_entries_away(
+    effects_engine: Engine, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    """The late ``XCLAIM``s of fenced-out consumers, as a stress: for two seconds a ghost
+    moves the owner's oldest pending entries to itself every half millisecond, while five
+    aggregates' revisions flow through one stream and a fifth of them fail their first call
+    (each holding its aggregate's next revisions back). Whenever a steal lands between the
+    owner's take-over and its read, the read misses the aggregate's failing revision; the
+    owner must still apply every aggregate in revision order, dead-letter nothing, and settle
+    everything once the ghost is gone. (Before the check after every page of a pending pass,
+    this failed within the two seconds with ``out_of_order`` letters.)"""
+    key = keys.stream_key(key_prefix, STREAM, 0)
+    aggs = aggregates_on(key_prefix, key, 5)
+    revisions = [event(agg, r) for r in range(1, 41) for agg in aggs]
+    failing = {ev.id for i, ev in enumerate(revisions) if i % 5 == 2}
+    rb = FailsSome("b", set(failing))
+    b = owned(effects_engine, redis_client, key_prefix, "b", rb, claim_interval_ms=100,
+              batch_size=10)
+    wait_until(lambda: step(b) and key in b.leases.held, what="b to own the key")
+    stop = threading.Event()
+    steals = 0
+
+    def ghost() -> None:
+        nonlocal steals
+        client = redis_client  # redis-py clients are thread-safe (a connection per call)
+        while not stop.wait(0.0005):
+            rows = client.xpending_range(key, GROUP, min="-", max="+", count=3)
+            ids = [r["message_id"] for r in rows if r["consumer"] == b"b"]
+            if ids:
+                steals += len(client.xclaim(key, GROUP, "ghost", 0, ids, justid=True))
+
+    thief = threading.Thread(target=ghost)
+    for ev in revisions[:100]:
+        xadd_event(redis_client, key_prefix, ev)
+    thief.start()
+    try:
+        deadline = time.monotonic() + 2
+        for ev in revisions[100:]:
+            xadd_event(redis_client, key_prefix, ev)
+        while time.monotonic() < deadline:
+            b.run_once()
+    finally:
+        stop.set()
+        thief.join()
+    assert steals > 0
+    wait_until(lambda: step(b) and pending_total(redis_client, key_prefix) == 0,
+               timeout=60, what="b to settle every revision once the ghost is gone")
+    with effects_engine.connect() as conn:
+        outcomes = Counter(r.outcome for r in conn.execute(select(inbox)))
+    assert outcomes == {"applied": len(revisions)}
+    order = [i for i, _ in applied_order(effects_engine)]
+    for agg in aggs:
+        mine = [i for i in order if i.startswith(f"{agg}:")]
+        assert mine == [ev.id for ev in revisions if ev.aggregateid == agg]
 
 
 def test_the_claims_fence_extends_the_leases_it_checks_and_names_each_one_lost(
