@@ -56,7 +56,7 @@ from torture.brokers import (
     last_generated_id,
 )
 from torture.chaos import Chaos, Plan, Tally, terminate_backends_by_app_name
-from torture.ghost import Ghost
+from torture.ghost import GHOST_CLAIM, Ghost
 from torture.procs import Child, base_env, outbox_argv
 
 log = logging.getLogger("torture")
@@ -470,7 +470,8 @@ def outage_failures(kids: list[Child]) -> int:
 def plan_violations(plan: Plan, tally: Tally, outage_failures: int, chained_applied: int
                     ) -> list[str]:
     """What the plan promised and the run must show: pauses past the lease (and shorter ones),
-    an outage that ran its length and failed handler calls, chained events applied."""
+    an outage that ran its length and failed handler calls, chained events applied, pending
+    entries a ghost claimed away from their owner."""
     found = []
     if plan.pause_every_s and not tally.pauses_past_lease:
         found.append("never_paused_past_lease")
@@ -482,6 +483,8 @@ def plan_violations(plan: Plan, tally: Tally, outage_failures: int, chained_appl
         found.append("outage_failed_no_call")
     if not chained_applied:
         found.append("nothing_chained")
+    if plan.ghost_every_s and not tally.faults[GHOST_CLAIM]:
+        found.append("ghost_never_claimed")  # the owners' take-back was never exercised
     return found
 
 

@@ -10,6 +10,7 @@ from typing import Any, cast
 
 from torture import harness
 from torture.chaos import Chaos, Plan, Tally
+from torture.ghost import GHOST_CLAIM
 from torture.procs import Child
 
 
@@ -176,3 +177,8 @@ def test_the_plan_promises_are_violations_when_unmet() -> None:
         "outage_failed_no_call", "nothing_chained"]
     off = plan(pause_every_s=0.0, outage_s=0.0)
     assert harness.plan_violations(off, Tally(), 0, 1) == []
+    haunted = plan(pause_every_s=0.0, outage_s=0.0, ghost_every_s=4.0)
+    assert harness.plan_violations(haunted, Tally(), 0, 1) == ["ghost_never_claimed"]
+    claimed = Tally()
+    claimed.faults[GHOST_CLAIM] = 1
+    assert harness.plan_violations(haunted, claimed, 0, 1) == []
