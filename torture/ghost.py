@@ -8,9 +8,10 @@ owner's. The owner must take them back and still apply every aggregate in order 
 3, the read rule; ``consumer/daemon.py`` ``_behind_foreign``). The torture's pauses make such
 late commands rare and their timing luck (one PostgreSQL run of 2026-12-06 met one:
 docs/guarantees.md); this fault sends them on purpose, from a ghost consumer that then never
-comes back, as a process killed right after would not: the oldest pending entries of a stream
-(the likeliest to hold their aggregate's later revisions back) or a random few of the first
-page are claimed away from their owner, or the next new entries are read.
+comes back, as a process killed right after would not: the entries waiting for a retry (each
+holding its aggregate's later revisions back; read from the retry table), the oldest pending
+entries of a stream or a random few of its first page are claimed away from their owner, or
+the next new entries are read.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import redis
 
 log = logging.getLogger("torture")
 
+Blocker = tuple[str, str, str]  # (stream key, group, entry id) of an entry waiting for a retry
 GHOST_CLAIM = "consumer.ghost_claim"  # pending entries moved away from their owner
 GHOST_READ = "consumer.ghost_read"  # new entries read by a consumer that has no lease
 
@@ -37,9 +39,11 @@ class Ghost:
     average; :attr:`counts` says how many bursts claimed entries away or read new ones."""
 
     def __init__(self, client: Callable[[], redis.Redis],
-                 targets: Sequence[tuple[str, str]], *, every_s: float, seed: int) -> None:
+                 targets: Sequence[tuple[str, str]], *, every_s: float, seed: int,
+                 blockers: Callable[[], list[Blocker]] | None = None) -> None:
         self.client = client
         self.targets = list(targets)
+        self.blockers = blockers
         self.every_s = every_s
         self.rng = random.Random(seed)
         self.counts: Counter[str] = Counter()
@@ -69,17 +73,47 @@ class Ghost:
         the owner starts meets one. The fault it was (:data:`GHOST_CLAIM` if any command
         claimed entries away, else :data:`GHOST_READ` if any read new ones), or None when it
         found nothing to take (no pending or new entry, no group yet, Redis down)."""
-        key, group = self._target(rng)
+        aimed = self._blockers(rng)
+        key, group = (aimed[0][0], aimed[0][1]) if aimed else self._target(rng)
+        ids = [entry_id for k, g, entry_id in aimed if (k, g) == (key, group)]
         done: set[str] = set()
         until = time.monotonic() + for_s
         while True:
-            found = self._one(rng, key, group)
+            found = self._steal(key, group, ids) if ids else self._one(rng, key, group)
             if found is not None:
                 done.add(found)
             if time.monotonic() >= until or self._stop.wait(gap_s):
                 break
         moved = GHOST_CLAIM if GHOST_CLAIM in done else None
         return moved or (GHOST_READ if done else None)
+
+    def _blockers(self, rng: random.Random) -> list[Blocker]:
+        """Half the time (when given ``blockers``), the entries whose handler failed and
+        waits for its retry, on one random (stream key, group) of them: each holds its
+        aggregate's later revisions back, and moving it out of its owner's pending list is
+        what could let them by."""
+        if self.blockers is None or rng.random() < 0.5:
+            return []
+        try:
+            found = self.blockers()
+        except Exception as err:  # the database under its own faults: aim at random instead
+            log.debug("ghost: no blockers (%s)", type(err).__name__)
+            return []
+        if not found:
+            return []
+        key, group, _ = rng.choice(found)
+        return [b for b in found if (b[0], b[1]) == (key, group)]
+
+    def _steal(self, key: str, group: str, ids: list[str]) -> str | None:
+        """``XCLAIM`` these entries away from whoever holds them (ignored for those no longer
+        pending)."""
+        try:
+            got: Any = self.client().xclaim(key, group, "ghost-0", 0, list[Any](ids),
+                                            justid=True)
+        except redis.RedisError as err:
+            log.debug("ghost of %s: %s", key, type(err).__name__)
+            return None
+        return GHOST_CLAIM if got else None
 
     def _target(self, rng: random.Random) -> tuple[str, str]:
         """A random pair on which a consumer other than a ghost holds pending entries (the

@@ -42,7 +42,7 @@ from outbox_relay.relay import entry_ids
 from outbox_relay.runs import schema as runs_schema
 from outbox_relay.runs.schema import runs
 from outbox_relay.shared import db, keys
-from outbox_relay.shared.schema import outbox
+from outbox_relay.shared.schema import consumer_retries, outbox
 from outbox_relay.shared.settings import parse_duration
 from torture import app, check, ledger
 from torture.brokers import (
@@ -366,7 +366,8 @@ def run_one(kind: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
                               (keys.stream_key(prefix, stream, p), group)
                               for group, streams in sorted(READS.items())
                               for stream in sorted(streams) for p in range(PARTITIONS)],
-                              every_s=plan.ghost_every_s, seed=seed)
+                              every_s=plan.ghost_every_s, seed=seed,
+                              blockers=lambda: retrying_entries(reader))
                           if plan.ghost_every_s else None)
             started = time.monotonic()
             log.info("%s: faults start (work dir %s)", kind, workdir)
@@ -451,6 +452,15 @@ def run_one(kind: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
     if kind == "postgresql" and (args.keep or found):
         report["pg_schema"] = f"torture_{tag}"  # kept: drop it by hand when read
     return report
+
+
+def retrying_entries(engine: Engine) -> list[tuple[str, str, str]]:
+    """``(stream key, group, entry id)`` of up to 50 entries whose handler failed and waits for
+    its retry (``outbox_consumer_retries``): the ghost's favourite targets."""
+    r = consumer_retries.c
+    with engine.connect() as conn:
+        rows = conn.execute(select(r.stream_key, r.group_name, r.entry_id).limit(50)).all()
+    return [(k, g, e) for k, g, e in rows]
 
 
 def received(engine: Engine, group: str) -> int:

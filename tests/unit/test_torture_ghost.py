@@ -65,3 +65,20 @@ def test_a_ghost_without_a_group_or_redis_does_nothing() -> None:
         raise redis.ConnectionError("down")
 
     assert Ghost(down, [(KEY, GROUP)], every_s=1, seed=1).haunt(random.Random(1), for_s=0) is None
+
+
+def test_a_ghost_aims_at_the_entries_waiting_for_a_retry_when_told_which(
+    client: redis.Redis,
+) -> None:
+    got = client.xreadgroup(GROUP, "owner", {KEY: ">"}, count=6)
+    ids = [i.decode() for i, _ in got[0][1]]
+    blocker = ids[3]  # not among the oldest: only the retry table names it
+    ghost = Ghost(lambda: client, [(KEY, GROUP)], every_s=1, seed=1,
+                  blockers=lambda: [(KEY, GROUP, blocker)])
+    rng = random.Random(3)
+    while ghost.haunt(rng, for_s=0) is None or not any(
+            name.startswith("ghost-") for name in pending_by_consumer(client)):
+        pass
+    held = {r["message_id"].decode() for r in client.xpending_range(
+        KEY, GROUP, min="-", max="+", count=20) if r["consumer"].startswith(b"ghost-")}
+    assert held == {blocker}
