@@ -75,11 +75,12 @@ class Ghost:
         found nothing to take (no pending or new entry, no group yet, Redis down)."""
         aimed = self._blockers(rng)
         key, group = (aimed[0][0], aimed[0][1]) if aimed else self._target(rng)
-        ids = [entry_id for k, g, entry_id in aimed if (k, g) == (key, group)]
+        ids: list[Any] = [entry_id for _, _, entry_id in aimed]
         done: set[str] = set()
         until = time.monotonic() + for_s
         while True:
-            found = self._steal(key, group, ids) if ids else self._one(rng, key, group)
+            found = (self._steal(key, group, ids, "ghost-0") if ids
+                     else self._one(rng, key, group))
             if found is not None:
                 done.add(found)
             if time.monotonic() >= until or self._stop.wait(gap_s):
@@ -104,12 +105,11 @@ class Ghost:
         key, group, _ = rng.choice(found)
         return [b for b in found if (b[0], b[1]) == (key, group)]
 
-    def _steal(self, key: str, group: str, ids: list[str]) -> str | None:
-        """``XCLAIM`` these entries away from whoever holds them (ignored for those no longer
-        pending)."""
+    def _steal(self, key: str, group: str, ids: list[Any], name: str) -> str | None:
+        """``XCLAIM`` these entries to ``name`` away from whoever holds them; a claim counts
+        only if Redis moved one (an entry acknowledged meanwhile is ignored)."""
         try:
-            got: Any = self.client().xclaim(key, group, "ghost-0", 0, list[Any](ids),
-                                            justid=True)
+            got: Any = self.client().xclaim(key, group, name, 0, ids, justid=True)
         except redis.RedisError as err:
             log.debug("ghost of %s: %s", key, type(err).__name__)
             return None
@@ -140,9 +140,7 @@ class Ghost:
                 oldest = owned[:rng.randint(1, 5)]
                 taken = (oldest if rng.random() < 0.5
                          else rng.sample(owned, rng.randint(1, len(owned))))
-                client.xclaim(key, group, name, 0, taken, justid=True)
-                log.debug("%s claimed %d pending entries of %s away", name, len(taken), key)
-                return GHOST_CLAIM
+                return self._steal(key, group, taken, name)
             if rng.random() < 0.1:
                 got: Any = client.xreadgroup(group, name, {key: ">"}, count=rng.randint(1, 3))
                 return GHOST_READ if got else None

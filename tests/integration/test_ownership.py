@@ -321,7 +321,8 @@ def test_a_stale_read_by_a_fenced_out_consumer_is_applied_before_anything_newer(
     """The old owner's ``XREADGROUP >`` reaches Redis after the new owner took the key over (its
     process paused between its lease check and the send): revision 1 lands in the old owner's
     pending list. The new owner reads revision 2 next; it must not apply it before revision 1:
-    it sees another consumer's pending entries on its key, takes them over, applies 1 then 2."""
+    it sees another consumer's pending entries on its key, holds 2 back (its delivery put back:
+    it was not attempted), takes them over, applies 1 then 2."""
     rb = Recorder("b")  # no periodic pending check during the test: only the read's own
     b = owned(effects_engine, redis_client, key_prefix, "b", rb, claim_interval_ms=60_000)
     wait_until(lambda: step(b) and len(b.leases.held) == PARTITIONS, what="b to own every key")
@@ -331,7 +332,11 @@ def test_a_stale_read_by_a_fenced_out_consumer_is_applied_before_anything_newer(
     xadd_event(redis_client, key_prefix, rev1)
     stale = redis_client.xreadgroup(GROUP, "a", {key: ">"}, count=1)  # the old owner's read
     assert stale and len(stale[0][1]) == 1
-    xadd_event(redis_client, key_prefix, rev2)
+    second = xadd_event(redis_client, key_prefix, rev2)
+    b.run_once()  # reads revision 2, sees a's pending revision 1: holds 2 back, unattempted
+    [held] = redis_client.xpending_range(key, GROUP, min=second, max=second, count=1)
+    assert (held["consumer"], held["times_delivered"]) == (b"b", 0)  # its delivery put back
+    assert applied_order(effects_engine) == []
     wait_until(lambda: step(b) and len(applied_order(effects_engine)) == 2,
                what="b to apply both revisions")
     assert applied_order(effects_engine) == [(rev1.id, "b"), (rev2.id, "b")]

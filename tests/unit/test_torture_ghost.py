@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from typing import Any, cast
 
 import fakeredis
 import pytest
@@ -76,9 +77,34 @@ def test_a_ghost_aims_at_the_entries_waiting_for_a_retry_when_told_which(
     ghost = Ghost(lambda: client, [(KEY, GROUP)], every_s=1, seed=1,
                   blockers=lambda: [(KEY, GROUP, blocker)])
     rng = random.Random(3)
-    while ghost.haunt(rng, for_s=0) is None or not any(
-            name.startswith("ghost-") for name in pending_by_consumer(client)):
-        pass
+    for _ in range(50):  # half the bursts aim (the rest are random): one of 50 does
+        if ghost.haunt(rng, for_s=0) is not None and any(
+                name.startswith("ghost-") for name in pending_by_consumer(client)):
+            break
     held = {r["message_id"].decode() for r in client.xpending_range(
         KEY, GROUP, min="-", max="+", count=20) if r["consumer"].startswith(b"ghost-")}
     assert held == {blocker}
+
+
+def test_a_claim_that_moves_nothing_is_not_counted(client: redis.Redis) -> None:
+    """The run's ``ghost_never_claimed`` check counts only claims Redis carried out: an entry
+    acknowledged between the ghost's look (``XPENDING``) and its ``XCLAIM`` is not a claim."""
+    got = client.xreadgroup(GROUP, "owner", {KEY: ">"}, count=2)
+    ids = [i.decode() for i, _ in got[0][1]]
+    client.xack(KEY, GROUP, *ids)
+
+    class Late:
+        """The client, whose ``XPENDING`` still shows the owner's entries just acknowledged."""
+
+        def xpending_range(self, *args: Any, **kwargs: Any) -> list[dict[str, Any]]:
+            return [{"message_id": i.encode(), "consumer": b"owner"} for i in ids]
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(client, name)
+
+    late = cast(redis.Redis, Late())
+    aimed = Ghost(lambda: late, [(KEY, GROUP)], every_s=1, seed=1,
+                  blockers=lambda: [(KEY, GROUP, i) for i in ids])
+    rng = random.Random(3)
+    assert all(aimed.haunt(rng, for_s=0) != GHOST_CLAIM for _ in range(20))
+    assert pending_by_consumer(client) == {}  # nothing moved, nothing read
