@@ -7,7 +7,21 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from sqlalchemy import Connection, Engine, func, insert, select, text, update
+from sqlalchemy import (
+    Column,
+    Connection,
+    Engine,
+    ForeignKey,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    func,
+    insert,
+    select,
+    text,
+    update,
+)
 from sqlalchemy import exc as sa_exc
 
 from outbox_relay.consumer import inbox
@@ -160,4 +174,97 @@ def test_a_python_error_after_inserts_in_flight_still_names_its_event(engine: En
     outcomes = inbox.claim(engine, "g", deliveries(events), handlers)
     assert [o.outcome for o in outcomes] == [inbox.APPLIED, inbox.FAILED, inbox.APPLIED]
     assert calls == [events[0].id, events[1].id, events[0].id, events[2].id]
+    assert effect_counts(engine) == {events[0].id: 1, events[2].id: 1}
+
+
+def kept(conn: Connection) -> int:
+    """How many one-row inserts the claim's connection keeps unsent right now."""
+    state = _ACTIVE.get(id(conn.connection.driver_connection))
+    return len(state.rows) if state is not None else 0
+
+
+def test_consecutive_one_row_inserts_are_kept_and_sent_together(engine: Engine) -> None:
+    """Each handler's insert of the same text is kept (PostgreSQL) and sent with the others at
+    the batch's end; a handler that runs ``exec_driver_sql`` with one dict it changes each
+    time still writes its own values (the kept parameters are copies)."""
+    create_effects(engine)
+    before: list[int] = []
+    params: dict[str, Any] = {}
+    sql = ("INSERT INTO test_effects (n, event_id, note) VALUES (%(n)s, %(e)s, %(note)s)"
+           if is_postgres(engine) else
+           "INSERT INTO test_effects (n, event_id, note) VALUES (:n, :e, :note)")
+
+    def handler(conn: Connection, ev: Event) -> None:
+        before.append(kept(conn))
+        params.update(n=40_000 + int(ev.aggregateid[1:]), e=ev.id, note="raw")  # type: ignore[index]
+        conn.exec_driver_sql(sql, params)
+
+    handlers = Handlers()
+    handlers.register("*", handler)
+    events = [event(f"u{i}", 1) for i in range(5)]
+    outcomes = inbox.claim(engine, "g", deliveries(events), handlers)
+    assert [o.outcome for o in outcomes] == [inbox.APPLIED] * 5
+    assert before == ([0, 1, 2, 3, 4] if is_postgres(engine) else [0] * 5)
+    with engine.connect() as conn:
+        rows = set(conn.execute(select(effects.c.n, effects.c.event_id)).all())
+    assert rows == {(40_000 + i, ev.id) for i, ev in enumerate(events)}
+
+
+def test_kept_inserts_go_before_any_other_statement_in_the_order_they_ran(
+    engine: Engine,
+) -> None:
+    """A handler writing a parent row then a child row that references it (a foreign key
+    checked at once): each statement of another text sends what is kept first, so the
+    database sees them in the handlers' order and every event applies on the optimistic path
+    (no redo: each handler ran once)."""
+    meta = MetaData()
+    parents = Table("test_pipe_parents", meta, Column("id", String(64), primary_key=True))
+    children = Table("test_pipe_children", meta, Column("id", Integer, primary_key=True,
+                                                        autoincrement=False),
+                     Column("parent", String(64), ForeignKey("test_pipe_parents.id"),
+                            nullable=False))
+    meta.create_all(engine)
+    if not is_postgres(engine):
+        with engine.connect() as conn:
+            assert conn.exec_driver_sql("PRAGMA foreign_keys").scalar() == 1
+    calls: list[str] = []
+
+    def handler(conn: Connection, ev: Event) -> None:
+        calls.append(ev.id)
+        i = int(ev.aggregateid[1:])  # type: ignore[index]
+        conn.execute(insert(parents).values(id=ev.id))
+        conn.execute(insert(children).values(id=2 * i, parent=ev.id))
+        conn.execute(insert(children).values(id=2 * i + 1, parent=ev.id))
+
+    handlers = Handlers()
+    handlers.register("*", handler)
+    events = [event(f"v{i}", 1) for i in range(4)]
+    try:
+        outcomes = inbox.claim(engine, "g", deliveries(events), handlers)
+        assert [o.outcome for o in outcomes] == [inbox.APPLIED] * 4
+        assert calls == [ev.id for ev in events]
+        with engine.connect() as conn:
+            assert conn.execute(select(func.count()).select_from(children)).scalar_one() == 8
+    finally:
+        meta.drop_all(engine)
+
+
+def test_a_kept_insert_the_driver_cannot_send_fails_only_its_own_event(engine: Engine) -> None:
+    """A value the driver cannot adapt is found only when the kept inserts are sent (at the
+    batch's end): the batch is redone one savepoint per handler, and only that event fails,
+    with the driver's error as SQLAlchemy's (never the raw driver exception)."""
+    create_effects(engine)
+
+    def handler(conn: Connection, ev: Event) -> None:
+        bad = ev.aggregateid == "w1"
+        conn.execute(text("INSERT INTO test_effects (n, event_id, note) VALUES (:n, :e, :note)"),
+                     {"n": 50_000 + int(ev.aggregateid[1:]),  # type: ignore[index]
+                      "e": ev.id, "note": object() if bad else "x"})
+
+    handlers = Handlers()
+    handlers.register("*", handler)
+    events = [event(f"w{i}", 1) for i in range(3)]
+    outcomes = inbox.claim(engine, "g", deliveries(events), handlers)
+    assert [o.outcome for o in outcomes] == [inbox.APPLIED, inbox.FAILED, inbox.APPLIED]
+    assert outcomes[1].error in ("ProgrammingError", "InterfaceError")
     assert effect_counts(engine) == {events[0].id: 1, events[2].id: 1}

@@ -20,6 +20,16 @@ insert returning its generated key, ``ON CONFLICT``, ``executemany``, text SQL, 
 waits for every result before the handler gets its own: it reads exactly what it would read
 without pipelining, the pipelined inserts before it included.
 
+Such inserts are also **coalesced**: consecutive ones of the same text (each handler of the
+batch writing its one row) are not sent one by one but kept, and sent as one psycopg
+``executemany`` (still in the pipeline, one message per row) when another statement comes, and
+at the batch's end. A handler's insert then costs SQLAlchemy's execute but not psycopg's (the
+cursor's query conversion, its send and the pipeline's poll: a third of a one-row handler's
+claim, ``bench/PERFORMANCE.md``). Nothing a handler can observe changes: every other statement
+(a read, a savepoint, another table's insert, the claim's own writes) first sends what is kept,
+so the database sees the statements in the order the handlers ran them; a handler that leaves
+by an exception has its kept rows dropped with the batch's savepoint.
+
 When an insert fails, its error is raised at the next statement that waits, or at the end of
 the batch, so which handler failed is not known: the caller redoes the batch with a savepoint
 per handler and no pipeline (the outcomes are those of that path, as for any failure on the
@@ -43,37 +53,83 @@ from outbox_relay.shared.db import is_postgres
 if TYPE_CHECKING:
     import psycopg
 
-# id() of a psycopg connection in pipeline mode -> its pipeline. Read by the cursor hook of
+
+class _InFlight:
+    """One connection in pipeline mode: its pipeline, and the plain inserts kept to be sent
+    together (``statement``: their text; ``rows``: their parameters, in the handlers' order)."""
+
+    __slots__ = ("pipeline", "raw", "statement", "rows")
+
+    def __init__(self, pipeline: psycopg.Pipeline, raw: psycopg.Connection[Any]) -> None:
+        self.pipeline, self.raw = pipeline, raw
+        self.statement: str | None = None
+        self.rows: list[Any] = []
+
+    def send_kept(self) -> None:
+        """Send the kept inserts (one ``executemany``, in the pipeline: nothing waits); an
+        error psycopg raises on sending (a value it cannot adapt) is raised as SQLAlchemy's."""
+        if not self.rows:
+            return
+        statement, rows = self.statement, self.rows
+        self.statement, self.rows = None, []
+        assert statement is not None
+        try:
+            with self.raw.cursor() as cursor:
+                if len(rows) == 1:
+                    cursor.execute(statement, rows[0])
+                else:
+                    cursor.executemany(statement, rows)
+        except psycopg_driver.error_type() as err:
+            raise psycopg_driver.translated(err) from err
+
+
+# id() of a psycopg connection in pipeline mode -> its state. Read by the cursor hooks of
 # every statement of an engine that pipelined once; a dict lookup when the connection is not.
-_ACTIVE: dict[int, psycopg.Pipeline] = {}
+_ACTIVE: dict[int, _InFlight] = {}
 
 
 class Pipelined:
     """The optimistic path's pipeline on one connection (``on`` False: none was opened)."""
 
-    def __init__(self, pipeline: psycopg.Pipeline | None = None, raw: Any = None,
+    def __init__(self, state: _InFlight | None = None,
                  manager: AbstractContextManager[psycopg.Pipeline] | None = None) -> None:
-        self._pipeline, self._raw, self._manager = pipeline, raw, manager
-        self.done = pipeline is None
+        self._state, self._manager = state, manager
+        self.done = state is None
 
     @property
     def on(self) -> bool:
-        return self._pipeline is not None
+        return self._state is not None
 
     def finish(self) -> None:
-        """Wait for every result still in flight and leave pipeline mode (one round trip:
-        psycopg's own end of the pipeline, a sync); an insert's failure raises here, as the
-        SQLAlchemy error a handler would have seen (so the claim judges it the same way).
-        Statements after it in the block are not pipelined."""
+        """Send the kept inserts, wait for every result still in flight and leave pipeline
+        mode (one round trip: psycopg's own end of the pipeline, a sync); an insert's failure
+        raises here, as the SQLAlchemy error a handler would have seen (so the claim judges
+        it the same way). Statements after it in the block are not pipelined."""
         if self.done:
             return
         self.done = True
-        _ACTIVE.pop(id(self._raw), None)
-        assert self._manager is not None
+        assert self._state is not None and self._manager is not None
+        _ACTIVE.pop(id(self._state.raw), None)
         try:
+            self._state.send_kept()
             self._manager.__exit__(None, None, None)
         except psycopg_driver.error_type() as err:
             raise psycopg_driver.translated(err) from err
+        except BaseException:
+            self.drop()
+            raise
+
+    def drop(self) -> None:
+        """Leave pipeline mode without sending what is kept (the block failed: the caller
+        rolls the savepoint back), reading the results in flight quietly (their errors are
+        the redo's to find again; the exception being raised says more, and a lost
+        connection raises again)."""
+        self.done = True
+        assert self._state is not None and self._manager is not None
+        _ACTIVE.pop(id(self._state.raw), None)
+        self._state.rows = []
+        with suppress(psycopg_driver.error_type()):
+            self._manager.__exit__(None, None, None)
 
 
 @contextmanager
@@ -88,43 +144,78 @@ def pipelined(conn: Connection, enabled: bool = True) -> Iterator[Pipelined]:
         return
     _listen(conn.engine)
     manager: AbstractContextManager[psycopg.Pipeline] = raw.pipeline()
-    pipeline = manager.__enter__()
-    _ACTIVE[id(raw)] = pipeline
-    handle = Pipelined(pipeline, raw, manager)
+    state = _InFlight(manager.__enter__(), raw)
+    _ACTIVE[id(raw)] = state
+    handle = Pipelined(state, manager)
     try:
         yield handle
     except BaseException:
         if not handle.done:
-            handle.done = True
-            _ACTIVE.pop(id(raw), None)
-            # Leave pipeline mode reading the results in flight (their errors are the redo's
-            # to find again); the exception being raised says more (a lost connection raises
-            # again).
-            with suppress(psycopg_driver.error_type()):
-                manager.__exit__(None, None, None)
+            handle.drop()
         raise
     handle.finish()
 
 
 def _listen(engine: Engine) -> None:
     if not event.contains(engine, "after_cursor_execute", _after_cursor_execute):
+        event.listen(engine, "before_cursor_execute", _before_cursor_execute)
+        event.listen(engine, "do_execute", _do_execute)
         event.listen(engine, "after_cursor_execute", _after_cursor_execute)
+
+
+def _before_cursor_execute(conn: Connection, cursor: Any, statement: str, parameters: Any,
+                           context: Any, executemany: bool) -> None:
+    """Before any statement but the next of the kept inserts: send the kept ones first, so
+    the database sees every statement in the order it was run."""
+    state = _ACTIVE.get(id(cursor.connection))
+    if state is not None and state.rows and (executemany or statement != state.statement
+                                             or _in_flight(context)):
+        state.send_kept()
+
+
+def _do_execute(cursor: Any, statement: str, parameters: Any, context: Any) -> bool:
+    """Keep a plain one-row insert of a handler instead of sending it (True: SQLAlchemy
+    takes the statement as executed); it is sent with the next ones of the same text."""
+    state = _ACTIVE.get(id(cursor.connection))
+    if state is None or _in_flight(context) or not _plain(statement):
+        return False
+    state.statement = statement
+    # A copy: a handler may run ``exec_driver_sql`` again with the same dict, changed.
+    state.rows.append(dict(parameters) if isinstance(parameters, dict) else tuple(parameters))
+    return True
 
 
 def _after_cursor_execute(conn: Connection, cursor: Any, statement: str, parameters: Any,
                           context: Any, executemany: bool) -> None:
-    """Runs after each statement is sent and before SQLAlchemy reads its result: lets a
-    plain one-row insert stay in flight, makes every other statement wait for its results."""
-    pipeline = _ACTIVE.get(id(cursor.connection))
-    if pipeline is None:
-        return
-    if context is not None and context.execution_options.get("outbox_in_flight"):
+    """Runs after each statement is sent (or kept) and before SQLAlchemy reads its result:
+    lets a plain one-row insert stay in flight, makes every other statement wait for its
+    results."""
+    state = _ACTIVE.get(id(cursor.connection))
+    if state is None or _in_flight(context):
         return  # the claim's own statement: nobody reads its result (shared.db.IN_FLIGHT)
-    if not executemany and _PLAIN_INSERT.match(statement):
+    if not executemany and _plain(statement):
         if context is not None:
             context._rowcount = 1  # what the insert reports once it succeeded (else: redone)
         return
-    pipeline.sync()
+    state.pipeline.sync()
+
+
+def _in_flight(context: Any) -> bool:
+    return context is not None and bool(context.execution_options.get("outbox_in_flight"))
+
+
+_PLAIN: dict[str, bool] = {}
+"""Each statement text's :data:`_PLAIN_INSERT` match, remembered (a handler runs the same few
+texts again and again); bounded by :func:`_plain`."""
+
+
+def _plain(statement: str) -> bool:
+    plain = _PLAIN.get(statement)
+    if plain is None:
+        if len(_PLAIN) >= 1024:
+            _PLAIN.clear()
+        plain = _PLAIN[statement] = _PLAIN_INSERT.match(statement) is not None
+    return plain
 
 
 _PLAIN_INSERT = re.compile(
