@@ -58,7 +58,7 @@ class _InFlight:
     """One connection in pipeline mode: its pipeline, and the plain inserts kept to be sent
     together (``statement``: their text; ``rows``: their parameters, in the handlers' order)."""
 
-    __slots__ = ("pipeline", "raw", "statement", "rows")
+    __slots__ = ("pipeline", "raw", "rows", "statement")
 
     def __init__(self, pipeline: psycopg.Pipeline, raw: psycopg.Connection[Any]) -> None:
         self.pipeline, self.raw = pipeline, raw
