@@ -34,8 +34,14 @@ When an insert fails, its error is raised at the next statement that waits, or a
 the batch, so which handler failed is not known: the caller redoes the batch with a savepoint
 per handler and no pipeline (the outcomes are those of that path, as for any failure on the
 optimistic path). A handler that catches a database error of its own insert therefore sees it
-only in that redo. Sync handlers on PostgreSQL only: async handlers (an async engine) and
-SQLite run as before. ``Handlers(pipeline=False)`` turns it off for a group.
+only in that redo. ``Handlers(pipeline=False)`` turns it off for a group; SQLite runs as before.
+
+**Async handlers** (the claim on psycopg's async connection, consumer/async_handlers.py) keep
+their plain inserts the same way, but their connection is never put in pipeline mode (SQLAlchemy's
+async cursor reads a statement's rows as soon as it is sent, before a pipeline could have them):
+what is kept is sent, with one ``executemany`` (psycopg pipelines it: one round trip), before the
+next other statement and at the batch's end. So an async one-row handler neither waits a round
+trip per event nor awaits the driver at all for its insert, and what it reads is the same.
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ from contextlib import AbstractContextManager, contextmanager, suppress
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Connection, Engine, event
+from sqlalchemy.util import await_only
 
 from outbox_relay.shared import psycopg_driver
 from outbox_relay.shared.db import is_postgres
@@ -60,7 +67,8 @@ class _InFlight:
 
     __slots__ = ("pipeline", "raw", "rows", "statement")
 
-    def __init__(self, pipeline: psycopg.Pipeline, raw: psycopg.Connection[Any]) -> None:
+    def __init__(self, pipeline: psycopg.Pipeline | None,
+                 raw: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> None:
         self.pipeline, self.raw = pipeline, raw
         self.statement: str | None = None
         self.rows: list[Any] = []
@@ -74,17 +82,26 @@ class _InFlight:
         self.statement, self.rows = None, []
         assert statement is not None
         try:
-            with self.raw.cursor() as cursor:
-                if len(rows) == 1:
-                    cursor.execute(statement, rows[0])
-                else:
-                    cursor.executemany(statement, rows)
+            if isinstance(self.raw, psycopg_driver.async_connection_type()):
+                await_only(_send_async(self.raw, statement, rows))
+            else:
+                with self.raw.cursor() as cursor:
+                    if len(rows) == 1:
+                        cursor.execute(statement, rows[0])
+                    else:
+                        cursor.executemany(statement, rows)
         except psycopg_driver.error_type() as err:
             raise psycopg_driver.translated(err) from err
 
 
-# id() of a psycopg connection in pipeline mode -> its state. Read by the cursor hooks of
-# every statement of an engine that pipelined once; a dict lookup when the connection is not.
+async def _send_async(raw: psycopg.AsyncConnection[Any], statement: str, rows: list[Any]) -> None:
+    async with raw.cursor() as cursor:
+        await cursor.executemany(statement, rows)
+
+
+# id() of a psycopg connection in pipeline mode (an async one: keeping inserts) -> its state.
+# Read by the cursor hooks of every statement of an engine that pipelined once; a dict lookup
+# when the connection is not.
 _ACTIVE: dict[int, _InFlight] = {}
 
 
@@ -98,6 +115,7 @@ class Pipelined:
 
     @property
     def on(self) -> bool:
+        """Statements may be in flight or kept: a database error names no handler."""
         return self._state is not None
 
     def finish(self) -> None:
@@ -108,11 +126,12 @@ class Pipelined:
         if self.done:
             return
         self.done = True
-        assert self._state is not None and self._manager is not None
+        assert self._state is not None
         _ACTIVE.pop(id(self._state.raw), None)
         try:
             self._state.send_kept()
-            self._manager.__exit__(None, None, None)
+            if self._manager is not None:
+                self._manager.__exit__(None, None, None)
         except psycopg_driver.error_type() as err:
             raise psycopg_driver.translated(err) from err
         except BaseException:
@@ -125,27 +144,36 @@ class Pipelined:
         the redo's to find again; the exception being raised says more, and a lost
         connection raises again)."""
         self.done = True
-        assert self._state is not None and self._manager is not None
+        assert self._state is not None
         _ACTIVE.pop(id(self._state.raw), None)
         self._state.rows = []
-        with suppress(psycopg_driver.error_type()):
-            self._manager.__exit__(None, None, None)
+        if self._manager is not None:
+            with suppress(psycopg_driver.error_type()):
+                self._manager.__exit__(None, None, None)
 
 
 @contextmanager
 def pipelined(conn: Connection, enabled: bool = True) -> Iterator[Pipelined]:
     """Put ``conn`` in pipeline mode for the block when it is a sync psycopg connection and
-    ``enabled``; yield a :class:`Pipelined` (off otherwise). Call its ``finish()`` at the end
+    ``enabled`` (an async one only keeps plain inserts); yield a :class:`Pipelined` (off
+    otherwise). Call its ``finish()`` at the end
     of the block; leaving the block by an exception drops whatever was still in flight
     (the caller rolls the savepoint back), quietly: the driver's text never reaches a log."""
-    raw = psycopg_driver.pipelining_connection(conn) if enabled and is_postgres(conn) else None
-    if raw is None:
+    on = enabled and is_postgres(conn)
+    raw = psycopg_driver.pipelining_connection(conn) if on else None
+    async_raw = psycopg_driver.async_connection(conn) if on and raw is None else None
+    if raw is None and async_raw is None:
         yield Pipelined(None)
         return
     _listen(conn.engine)
-    manager: AbstractContextManager[psycopg.Pipeline] = raw.pipeline()
-    state = _InFlight(manager.__enter__(), raw)
-    _ACTIVE[id(raw)] = state
+    manager: AbstractContextManager[psycopg.Pipeline] | None = None
+    if raw is not None:
+        manager = raw.pipeline()
+        state = _InFlight(manager.__enter__(), raw)
+    else:
+        assert async_raw is not None
+        state = _InFlight(None, async_raw)
+    _ACTIVE[id(state.raw)] = state
     handle = Pipelined(state, manager)
     try:
         yield handle
@@ -182,7 +210,15 @@ def _do_execute(cursor: Any, statement: str, parameters: Any, context: Any) -> b
     state.statement = statement
     # A copy: a handler may run ``exec_driver_sql`` again with the same dict, changed.
     state.rows.append(dict(parameters) if isinstance(parameters, dict) else tuple(parameters))
+    if state.pipeline is None:
+        # SQLAlchemy's AsyncConnection.execute insists that the statement awaited something
+        # (AwaitRequired otherwise): one await that completes at once, no event loop turn.
+        await_only(_nothing())
     return True
+
+
+async def _nothing() -> None:
+    return None
 
 
 def _after_cursor_execute(conn: Connection, cursor: Any, statement: str, parameters: Any,
@@ -197,7 +233,8 @@ def _after_cursor_execute(conn: Connection, cursor: Any, statement: str, paramet
         if context is not None:
             context._rowcount = 1  # what the insert reports once it succeeded (else: redone)
         return
-    state.pipeline.sync()
+    if state.pipeline is not None:
+        state.pipeline.sync()
 
 
 def _in_flight(context: Any) -> bool:

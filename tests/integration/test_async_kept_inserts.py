@@ -1,0 +1,141 @@
+"""Async handlers' one-row inserts kept and sent together (consumer/pipelining.py): on
+PostgreSQL the claim's async connection keeps a handler's plain insert instead of awaiting
+it, and sends the kept ones with one ``executemany`` before any other statement and at the
+batch's end. What an async handler reads and which event fails are those of the sync path.
+Both databases (SQLite keeps nothing: the same outcomes are expected)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from sqlalchemy import (
+    Column,
+    Engine,
+    ForeignKey,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    func,
+    insert,
+    select,
+    text,
+)
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from outbox_relay.consumer import async_handlers, inbox
+from outbox_relay.consumer.handlers import Handlers
+from outbox_relay.consumer.pipelining import _ACTIVE
+from outbox_relay.shared.db import is_postgres
+from outbox_relay.shared.envelope import Event
+from tests.helpers import (
+    create_effects,
+    deliveries,
+    effect_counts,
+    effects,
+    event,
+    receipt_outcomes,
+)
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(autouse=True)
+def _close_async_engines() -> Iterator[None]:
+    yield
+    async_handlers.close()
+
+
+def kept(conn: AsyncConnection) -> int:
+    """How many one-row inserts the claim's connection keeps unsent right now."""
+    state = _ACTIVE.get(id(conn.sync_connection.connection.driver_connection))  # type: ignore[union-attr]
+    return len(state.rows) if state is not None else 0
+
+
+def test_an_async_handlers_inserts_are_kept_and_read_back_inside_the_batch(
+    engine: Engine,
+) -> None:
+    create_effects(engine)
+    before: list[int] = []
+    counts: list[int] = []
+    rowcounts: list[int] = []
+
+    async def handler(conn: AsyncConnection, ev: Event) -> None:
+        before.append(kept(conn))
+        n = 60_000 + int(ev.aggregateid[1:])  # type: ignore[index]
+        result = await conn.execute(insert(effects).values(n=n, event_id=ev.id, note="a"))
+        rowcounts.append(result.rowcount)
+        if ev.aggregateid == "a3":  # a read sees every kept insert before it
+            counts.append((await conn.execute(select(func.count()).select_from(effects)))
+                          .scalar_one())
+
+    handlers = Handlers()
+    handlers.register("*", handler)
+    events = [event(f"a{i}", 1) for i in range(6)]
+    outcomes = inbox.claim(engine, "g", deliveries(events), handlers)
+    assert [o.outcome for o in outcomes] == [inbox.APPLIED] * 6
+    assert before == ([0, 1, 2, 3, 0, 1] if is_postgres(engine) else [0] * 6)
+    assert counts == [4]
+    assert rowcounts == [1] * 6
+    assert effect_counts(engine) == {ev.id: 1 for ev in events}
+
+
+def test_an_async_handlers_kept_inserts_go_in_the_order_they_ran(engine: Engine) -> None:
+    """Parent then child rows (a foreign key checked at once), each handler's: applied on the
+    optimistic path, every handler run once."""
+    meta = MetaData()
+    parents = Table("test_apipe_parents", meta, Column("id", String(64), primary_key=True))
+    children = Table("test_apipe_children", meta,
+                     Column("id", Integer, primary_key=True, autoincrement=False),
+                     Column("parent", String(64), ForeignKey("test_apipe_parents.id"),
+                            nullable=False))
+    meta.create_all(engine)
+    calls: list[str] = []
+
+    async def handler(conn: AsyncConnection, ev: Event) -> None:
+        calls.append(ev.id)
+        i = int(ev.aggregateid[1:])  # type: ignore[index]
+        await conn.execute(insert(parents).values(id=ev.id))
+        await conn.execute(insert(children).values(id=2 * i, parent=ev.id))
+        await conn.execute(insert(children).values(id=2 * i + 1, parent=ev.id))
+
+    handlers = Handlers()
+    handlers.register("*", handler)
+    events = [event(f"b{i}", 1) for i in range(4)]
+    try:
+        outcomes = inbox.claim(engine, "g", deliveries(events), handlers)
+        assert [o.outcome for o in outcomes] == [inbox.APPLIED] * 4
+        assert calls == [ev.id for ev in events]
+        with engine.connect() as conn:
+            assert conn.execute(select(func.count()).select_from(children)).scalar_one() == 8
+    finally:
+        meta.drop_all(engine)
+
+
+def test_a_failing_kept_insert_of_an_async_handler_fails_only_its_own_event(
+    engine: Engine,
+) -> None:
+    """A duplicate key among the kept inserts is raised when they are sent (by a later read,
+    or at the batch's end): the batch is redone with a savepoint per handler, only the
+    duplicate's event fails, and every other event commits its one row."""
+    create_effects(engine)
+    with engine.begin() as conn:
+        conn.execute(insert(effects).values(n=70_002, event_id="taken", note="x"))
+
+    async def handler(conn: AsyncConnection, ev: Event) -> None:
+        n = 70_000 + int(ev.aggregateid[1:])  # type: ignore[index]
+        await conn.execute(text("INSERT INTO test_effects (n, event_id, note) "
+                                "VALUES (:n, :e, 'x')"), {"n": n, "e": ev.id})
+
+    handlers = Handlers()
+    handlers.register("*", handler)
+    events = [event(f"c{i}", 1) for i in range(5)]
+    outcomes = inbox.claim(engine, "g", deliveries(events), handlers)
+    assert [o.outcome for o in outcomes] == [
+        inbox.APPLIED, inbox.APPLIED, inbox.FAILED, inbox.APPLIED, inbox.APPLIED]
+    assert outcomes[2].error == "IntegrityError"
+    assert effect_counts(engine) == {"taken": 1, **{ev.id: 1 for i, ev in enumerate(events)
+                                                    if i != 2}}
+    assert receipt_outcomes(engine) == {ev.id: inbox.APPLIED for i, ev in enumerate(events)
+                                        if i != 2}
