@@ -27,7 +27,6 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from outbox_relay.consumer import async_handlers, inbox
 from outbox_relay.consumer.handlers import Handlers
 from outbox_relay.consumer.pipelining import _ACTIVE
-from outbox_relay.shared.db import is_postgres
 from outbox_relay.shared.envelope import Event
 from tests.helpers import (
     create_effects,
@@ -49,7 +48,7 @@ def _close_async_engines() -> Iterator[None]:
 
 def kept(conn: AsyncConnection) -> int:
     """How many one-row inserts the claim's connection keeps unsent right now."""
-    state = _ACTIVE.get(id(conn.sync_connection.connection.driver_connection))  # type: ignore[union-attr]
+    state = _ACTIVE.get(id(conn.sync_connection))
     return len(state.rows) if state is not None else 0
 
 
@@ -75,7 +74,7 @@ def test_an_async_handlers_inserts_are_kept_and_read_back_inside_the_batch(
     events = [event(f"a{i}", 1) for i in range(6)]
     outcomes = inbox.claim(engine, "g", deliveries(events), handlers)
     assert [o.outcome for o in outcomes] == [inbox.APPLIED] * 6
-    assert before == ([0, 1, 2, 3, 0, 1] if is_postgres(engine) else [0] * 6)
+    assert before == [0, 1, 2, 3, 0, 1]  # the read sent the four kept before it
     assert counts == [4]
     assert rowcounts == [1] * 6
     assert effect_counts(engine) == {ev.id: 1 for ev in events}
@@ -139,3 +138,24 @@ def test_a_failing_kept_insert_of_an_async_handler_fails_only_its_own_event(
                                                     if i != 2}}
     assert receipt_outcomes(engine) == {ev.id: inbox.APPLIED for i, ev in enumerate(events)
                                         if i != 2}
+
+
+def test_an_insert_whose_new_key_is_read_back_is_never_kept(engine: Engine) -> None:
+    """An insert that leaves its key to the database: SQLAlchemy reads the new key from the
+    statement's own cursor (SQLite's ``lastrowid``; PostgreSQL adds ``RETURNING``), so it is
+    sent at once and ``inserted_primary_key`` is the row's key."""
+    create_effects(engine)
+    keys: dict[str, int] = {}
+
+    async def handler(conn: AsyncConnection, ev: Event) -> None:
+        result = await conn.execute(insert(effects).values(event_id=ev.id, note="k"))
+        keys[ev.id] = result.inserted_primary_key[0]
+
+    handlers = Handlers()
+    handlers.register("*", handler)
+    events = [event(f"d{i}", 1) for i in range(4)]
+    outcomes = inbox.claim(engine, "g", deliveries(events), handlers)
+    assert [o.outcome for o in outcomes] == [inbox.APPLIED] * 4
+    with engine.connect() as conn:
+        stored = {e: n for n, e in conn.execute(select(effects.c.n, effects.c.event_id))}
+    assert keys == stored

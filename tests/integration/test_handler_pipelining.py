@@ -40,7 +40,7 @@ def deliveries(events: list[Event]) -> list[inbox.Delivery]:
 
 def in_flight(conn: Connection) -> bool:
     """Whether the claim's connection is in pipeline mode right now."""
-    return id(conn.connection.driver_connection) in _ACTIVE
+    return id(conn) in _ACTIVE and _ACTIVE[id(conn)].pipeline is not None
 
 
 def test_inserts_are_pipelined_on_postgresql_and_read_back_inside_the_batch(
@@ -179,7 +179,7 @@ def test_a_python_error_after_inserts_in_flight_still_names_its_event(engine: En
 
 def kept(conn: Connection) -> int:
     """How many one-row inserts the claim's connection keeps unsent right now."""
-    state = _ACTIVE.get(id(conn.connection.driver_connection))
+    state = _ACTIVE.get(id(conn))
     return len(state.rows) if state is not None else 0
 
 

@@ -1,4 +1,5 @@
-"""Handlers' one-row inserts sent without waiting, on PostgreSQL (psycopg's pipeline mode).
+"""Handlers' one-row inserts sent without waiting (psycopg's pipeline mode) and kept to be
+sent together.
 
 Why: a handler that writes one row per event waited one round trip per event, most of a
 claim's time with such a handler (``bench/PERFORMANCE.md``, issue 23). On the optimistic path
@@ -20,7 +21,7 @@ insert returning its generated key, ``ON CONFLICT``, ``executemany``, text SQL, 
 waits for every result before the handler gets its own: it reads exactly what it would read
 without pipelining, the pipelined inserts before it included.
 
-Such inserts are also **coalesced**: consecutive ones of the same text (each handler of the
+Such inserts are also **kept**: consecutive ones of the same text (each handler of the
 batch writing its one row) are not sent one by one but kept, and sent as one psycopg
 ``executemany`` (still in the pipeline, one message per row) when another statement comes, and
 at the batch's end. A handler's insert then costs SQLAlchemy's execute but not psycopg's (the
@@ -28,20 +29,25 @@ cursor's query conversion, its send and the pipeline's poll: a third of a one-ro
 claim, ``bench/PERFORMANCE.md``). Nothing a handler can observe changes: every other statement
 (a read, a savepoint, another table's insert, the claim's own writes) first sends what is kept,
 so the database sees the statements in the order the handlers ran them; a handler that leaves
-by an exception has its kept rows dropped with the batch's savepoint.
+by an exception has its kept rows dropped with the batch's savepoint. (Statements a handler
+sends on the driver's own connection, under SQLAlchemy, are not seen: such a handler needs
+``Handlers(pipeline=False)``.)
 
 When an insert fails, its error is raised at the next statement that waits, or at the end of
 the batch, so which handler failed is not known: the caller redoes the batch with a savepoint
 per handler and no pipeline (the outcomes are those of that path, as for any failure on the
 optimistic path). A handler that catches a database error of its own insert therefore sees it
-only in that redo. ``Handlers(pipeline=False)`` turns it off for a group; SQLite runs as before.
+only in that redo. ``Handlers(pipeline=False)`` turns it all off for a group.
 
-**Async handlers** (the claim on psycopg's async connection, consumer/async_handlers.py) keep
-their plain inserts the same way, but their connection is never put in pipeline mode (SQLAlchemy's
-async cursor reads a statement's rows as soon as it is sent, before a pipeline could have them):
-what is kept is sent, with one ``executemany`` (psycopg pipelines it: one round trip), before the
-next other statement and at the batch's end. So an async one-row handler neither waits a round
-trip per event nor awaits the driver at all for its insert, and what it reads is the same.
+**Async handlers** (the claim on an async engine: psycopg's async connection, aiosqlite;
+consumer/async_handlers.py) keep their plain inserts the same way, on both databases, but the
+connection is never put in pipeline mode (SQLAlchemy's async cursor reads a statement's rows as
+soon as it is sent, before a pipeline could have them): what is kept is sent with one
+``executemany`` (which psycopg pipelines: one round trip; aiosqlite: one hop to its thread)
+before the next other statement and at the batch's end. So an async one-row handler neither
+waits a round trip (or a thread hop) per event nor awaits the driver at all for its insert,
+and what it reads is the same. Sync handlers on SQLite run as before (SQLite's own
+``execute`` is a C call in this thread: nothing to save).
 """
 
 from __future__ import annotations
@@ -51,7 +57,7 @@ from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, suppress
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import Connection, Engine, event
+from sqlalchemy import Connection, Engine, event, exc
 from sqlalchemy.util import await_only
 
 from outbox_relay.shared import psycopg_driver
@@ -62,55 +68,55 @@ if TYPE_CHECKING:
 
 
 class _InFlight:
-    """One connection in pipeline mode: its pipeline, and the plain inserts kept to be sent
-    together (``statement``: their text; ``rows``: their parameters, in the handlers' order)."""
+    """One claim connection on the optimistic path: its pipeline (sync psycopg; None: an
+    async driver, which only keeps), and the plain inserts kept to be sent together
+    (``statement``: their text; ``rows``: their parameters, in the handlers' order)."""
 
-    __slots__ = ("pipeline", "raw", "rows", "statement")
+    __slots__ = ("dbapi", "error", "pipeline", "rows", "statement")
 
-    def __init__(self, pipeline: psycopg.Pipeline | None,
-                 raw: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> None:
-        self.pipeline, self.raw = pipeline, raw
+    def __init__(self, conn: Connection, pipeline: psycopg.Pipeline | None) -> None:
+        self.pipeline = pipeline
+        # The DBAPI connection SQLAlchemy uses (its adapter over an async driver, whose
+        # cursor awaits each call itself), and the driver's error root.
+        self.dbapi: Any = conn.connection.dbapi_connection
+        self.error: type[Exception] = conn.dialect.loaded_dbapi.Error
         self.statement: str | None = None
         self.rows: list[Any] = []
 
     def send_kept(self) -> None:
-        """Send the kept inserts (one ``executemany``, in the pipeline: nothing waits); an
-        error psycopg raises on sending (a value it cannot adapt) is raised as SQLAlchemy's."""
+        """Send the kept inserts: one ``executemany`` (in the pipeline: nothing waits; on an
+        async driver, awaited: psycopg pipelines it, one round trip). An error the driver
+        raises is raised as the SQLAlchemy error a statement run through SQLAlchemy raises."""
         if not self.rows:
             return
         statement, rows = self.statement, self.rows
         self.statement, self.rows = None, []
-        assert statement is not None
+        cursor = self.dbapi.cursor()
         try:
-            if isinstance(self.raw, psycopg_driver.async_connection_type()):
-                await_only(_send_async(self.raw, statement, rows))
+            if len(rows) == 1:
+                cursor.execute(statement, rows[0])
             else:
-                with self.raw.cursor() as cursor:
-                    if len(rows) == 1:
-                        cursor.execute(statement, rows[0])
-                    else:
-                        cursor.executemany(statement, rows)
-        except psycopg_driver.error_type() as err:
-            raise psycopg_driver.translated(err) from err
+                cursor.executemany(statement, rows)
+        except self.error as err:
+            wrapped = exc.DBAPIError.instance(None, None, err, self.error)
+            raise wrapped from err
+        finally:
+            with suppress(self.error):
+                cursor.close()
 
 
-async def _send_async(raw: psycopg.AsyncConnection[Any], statement: str, rows: list[Any]) -> None:
-    async with raw.cursor() as cursor:
-        await cursor.executemany(statement, rows)
-
-
-# id() of a psycopg connection in pipeline mode (an async one: keeping inserts) -> its state.
-# Read by the cursor hooks of every statement of an engine that pipelined once; a dict lookup
-# when the connection is not.
+# id() of a claim's SQLAlchemy connection on the optimistic path -> its state. Read by the
+# cursor hooks of every statement of an engine that pipelined once; a dict lookup when the
+# connection is not.
 _ACTIVE: dict[int, _InFlight] = {}
 
 
 class Pipelined:
     """The optimistic path's pipeline on one connection (``on`` False: none was opened)."""
 
-    def __init__(self, state: _InFlight | None = None,
+    def __init__(self, state: _InFlight | None = None, key: int = 0,
                  manager: AbstractContextManager[psycopg.Pipeline] | None = None) -> None:
-        self._state, self._manager = state, manager
+        self._state, self._key, self._manager = state, key, manager
         self.done = state is None
 
     @property
@@ -127,7 +133,7 @@ class Pipelined:
             return
         self.done = True
         assert self._state is not None
-        _ACTIVE.pop(id(self._state.raw), None)
+        _ACTIVE.pop(self._key, None)
         try:
             self._state.send_kept()
             if self._manager is not None:
@@ -145,7 +151,7 @@ class Pipelined:
         connection raises again)."""
         self.done = True
         assert self._state is not None
-        _ACTIVE.pop(id(self._state.raw), None)
+        _ACTIVE.pop(self._key, None)
         self._state.rows = []
         if self._manager is not None:
             with suppress(psycopg_driver.error_type()):
@@ -159,22 +165,19 @@ def pipelined(conn: Connection, enabled: bool = True) -> Iterator[Pipelined]:
     otherwise). Call its ``finish()`` at the end
     of the block; leaving the block by an exception drops whatever was still in flight
     (the caller rolls the savepoint back), quietly: the driver's text never reaches a log."""
-    on = enabled and is_postgres(conn)
-    raw = psycopg_driver.pipelining_connection(conn) if on else None
-    async_raw = psycopg_driver.async_connection(conn) if on and raw is None else None
-    if raw is None and async_raw is None:
+    raw = psycopg_driver.pipelining_connection(conn) if enabled and is_postgres(conn) else None
+    if not enabled or (raw is None and not conn.dialect.is_async):
         yield Pipelined(None)
         return
     _listen(conn.engine)
     manager: AbstractContextManager[psycopg.Pipeline] | None = None
     if raw is not None:
         manager = raw.pipeline()
-        state = _InFlight(manager.__enter__(), raw)
+        state = _InFlight(conn, manager.__enter__())
     else:
-        assert async_raw is not None
-        state = _InFlight(None, async_raw)
-    _ACTIVE[id(state.raw)] = state
-    handle = Pipelined(state, manager)
+        state = _InFlight(conn, None)
+    _ACTIVE[id(conn)] = state
+    handle = Pipelined(state, id(conn), manager)
     try:
         yield handle
     except BaseException:
@@ -195,7 +198,7 @@ def _before_cursor_execute(conn: Connection, cursor: Any, statement: str, parame
                            context: Any, executemany: bool) -> None:
     """Before any statement but the next of the kept inserts: send the kept ones first, so
     the database sees every statement in the order it was run."""
-    state = _ACTIVE.get(id(cursor.connection))
+    state = _ACTIVE.get(id(conn))
     if state is not None and state.rows and (executemany or statement != state.statement
                                              or _in_flight(context)):
         state.send_kept()
@@ -204,15 +207,18 @@ def _before_cursor_execute(conn: Connection, cursor: Any, statement: str, parame
 def _do_execute(cursor: Any, statement: str, parameters: Any, context: Any) -> bool:
     """Keep a plain one-row insert of a handler instead of sending it (True: SQLAlchemy
     takes the statement as executed); it is sent with the next ones of the same text."""
-    state = _ACTIVE.get(id(cursor.connection))
+    state = _ACTIVE.get(id(context.root_connection))
     if state is None or _in_flight(context) or not _plain(statement):
         return False
+    if getattr(context.compiled, "postfetch_lastrowid", False):
+        return False  # SQLite: SQLAlchemy reads the new row's key from this cursor (lastrowid)
     state.statement = statement
     # A copy: a handler may run ``exec_driver_sql`` again with the same dict, changed.
     state.rows.append(dict(parameters) if isinstance(parameters, dict) else tuple(parameters))
     if state.pipeline is None:
-        # SQLAlchemy's AsyncConnection.execute insists that the statement awaited something
-        # (AwaitRequired otherwise): one await that completes at once, no event loop turn.
+        # An async driver: SQLAlchemy's AsyncConnection.execute insists that the statement
+        # awaited something (AwaitRequired otherwise): one await that completes at once, no
+        # event loop turn.
         await_only(_nothing())
     return True
 
@@ -226,7 +232,7 @@ def _after_cursor_execute(conn: Connection, cursor: Any, statement: str, paramet
     """Runs after each statement is sent (or kept) and before SQLAlchemy reads its result:
     lets a plain one-row insert stay in flight, makes every other statement wait for its
     results."""
-    state = _ACTIVE.get(id(cursor.connection))
+    state = _ACTIVE.get(id(conn))
     if state is None or _in_flight(context):
         return  # the claim's own statement: nobody reads its result (shared.db.IN_FLIGHT)
     if not executemany and _plain(statement):

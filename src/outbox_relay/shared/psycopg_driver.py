@@ -63,25 +63,6 @@ def pipelining_connection(conn: Connection) -> psycopg.Connection[Any] | None:
     return raw if isinstance(raw, pg.Connection) else None
 
 
-def async_connection(conn: Connection) -> psycopg.AsyncConnection[Any] | None:
-    """The async psycopg connection under ``conn`` (the sync facade of an ``AsyncConnection``
-    that SQLAlchemy's ``run_sync`` passes), or None for any other driver or a closed one."""
-    pg = module()
-    if pg is None:
-        return None
-    try:
-        raw = conn.connection.driver_connection
-    except sa_exc.SQLAlchemyError:
-        return None
-    return raw if isinstance(raw, pg.AsyncConnection) else None
-
-
-def async_connection_type() -> type[Any]:
-    """``psycopg.AsyncConnection``, for an ``isinstance`` that must also run without psycopg."""
-    pg = module()
-    return _NeverRaised if pg is None else pg.AsyncConnection
-
-
 def translated(err: Exception) -> sa_exc.DBAPIError:
     """The SQLAlchemy error SQLAlchemy itself raises for the psycopg error ``err``
     (``IntegrityError``, ``OperationalError`` …): what a statement run through SQLAlchemy
