@@ -158,3 +158,41 @@ def test_a_claims_writes_go_in_the_handlers_pipeline_on_postgresql(
     assert set(writes.values()) == {expected}
     effects = [v for k, v in modes.items() if k.startswith("INSERT INTO claim_statement")]
     assert effects == [expected]
+
+
+def test_every_column_of_a_batchs_receipts_is_written_as_decided(engine: Engine) -> None:
+    """One claim's receipts, whatever the outcome: applied, superseded (a latest event behind
+    its head), dead (an unknown type, its reason); an event without aggregate or revision
+    (NULLs), text with quotes, backslashes and non-ASCII; each with its own entry, stream,
+    fingerprint and the claim's time."""
+    from outbox_relay.shared.envelope import fingerprint
+    from outbox_relay.shared.schema import inbox as inbox_table
+
+    handlers = Handlers()
+    handlers.register("thing.happened", lambda _c, _e: None, ordering="latest")
+    plain = Event(id='e"\\ü-1', source="tests", type="thing.happened",
+                  time=make_event("x", 1).time, data={"a": "ö"})
+    batch = [
+        inbox.Delivery("s:0", "5-0", make_event("agg-ü", 3), 1),
+        inbox.Delivery("s:0", "5-1", make_event("agg-ü", 2), 1),  # behind: superseded
+        inbox.Delivery("s:1", "6-0", make_event("other", 1, type="nobody.handles"), 1),
+        inbox.Delivery("s:1", "6-1", plain, 1),
+    ]
+    outcomes = inbox.claim(engine, "g", batch, handlers, now=1_700_000_000_123)
+    assert [o.outcome for o in outcomes] == [
+        inbox.APPLIED, inbox.SUPERSEDED, inbox.DEAD, inbox.APPLIED]
+    with engine.connect() as conn:
+        rows = {r.event_id: r for r in conn.execute(select(inbox_table))}
+    want = {
+        d.event.id: (d.event.type, d.event.aggregatetype, d.event.aggregateid,
+                     d.event.revision, d.key, d.entry_id, outcome, reason,
+                     fingerprint(d.event), 1_700_000_000_123)
+        for d, outcome, reason in zip(batch, [inbox.APPLIED, inbox.SUPERSEDED, inbox.DEAD,
+                                              inbox.APPLIED],
+                                      [None, None, "unknown_type", None], strict=True)
+    }
+    got = {i: (r.event_type, r.aggregate_type, r.aggregate_id, r.revision, r.stream_key,
+               r.entry_id, r.outcome, r.reason, r.fingerprint, r.created_at_ms)
+           for i, r in rows.items()}
+    assert got == want
+    assert {r.group_name for r in rows.values()} == {"g"}
