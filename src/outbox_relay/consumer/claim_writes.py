@@ -4,8 +4,9 @@ In the claim's transaction, after the decisions and the handlers: a receipt per 
 superseded or dead event (with its fingerprint), one more duplicate counted on the receipt a
 duplicate matched, the aggregates' heads raised to the revisions applied, and the retry rows
 upserted for a ``failed`` event with its next attempt time (deleted once it is settled). Each
-is one set-based statement whatever the batch size: PostgreSQL joins
-``json_to_recordset(...)`` (:func:`shared.db.json_recordset`), SQLite its own upsert.
+is one set-based statement whatever the batch size: on PostgreSQL the receipts come as one
+JSON array per column (:func:`_receipts_sql`) and the heads through ``json_to_recordset(...)``
+(:func:`shared.db.json_recordset`); SQLite runs an ``executemany`` (a loop in C).
 
 One write prepares a claim instead: a dead-letter replay first deletes the group's ``dead``
 (or ``lost``) receipt of its event (:func:`reopen_dead_receipt`), so the claim decides again.
