@@ -4,6 +4,7 @@ Every case runs on both databases (SQLite never pipelines: the same outcomes are
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import pytest
@@ -268,3 +269,32 @@ def test_a_kept_insert_the_driver_cannot_send_fails_only_its_own_event(engine: E
     assert [o.outcome for o in outcomes] == [inbox.APPLIED, inbox.FAILED, inbox.APPLIED]
     assert outcomes[1].error in ("ProgrammingError", "InterfaceError")
     assert effect_counts(engine) == {events[0].id: 1, events[2].id: 1}
+
+
+def test_a_kept_inserts_failure_met_by_a_later_handler_fails_only_its_own_event(
+    engine: Engine,
+) -> None:
+    """Sync handlers: event h0's kept duplicate is sent by h1's read, which h1 wraps in
+    ``except IntegrityError`` (an idempotent handler's habit). On PostgreSQL the failure is
+    read at that read's sync (the pipeline's first error, which may be h1's own), so h1 may
+    catch it there; the transaction is failed then, so the batch is redone whatever h1 does,
+    and only h0 fails."""
+    create_effects(engine)
+    with engine.begin() as conn:
+        conn.execute(insert(effects).values(n=90_000, event_id="taken", note="x"))
+
+    def handler(conn: Connection, ev: Event) -> None:
+        if ev.aggregateid == "h0":
+            conn.execute(insert(effects).values(n=90_000, event_id=ev.id, note="dup"))
+            return
+        with contextlib.suppress(sa_exc.IntegrityError):
+            conn.execute(select(func.count()).select_from(effects))
+        conn.execute(insert(effects).values(n=90_001, event_id=ev.id, note="x"))
+
+    handlers = Handlers()
+    handlers.register("*", handler)
+    events = [event("h0", 1), event("h1", 1)]
+    outcomes = inbox.claim(engine, "g", deliveries(events), handlers)
+    assert [(o.outcome, o.error) for o in outcomes] == [
+        (inbox.FAILED, "IntegrityError"), (inbox.APPLIED, None)]
+    assert effect_counts(engine) == {"taken": 1, events[1].id: 1}

@@ -35,7 +35,7 @@ from sqlalchemy import Connection, exc
 from sqlalchemy import exc as sa_exc
 
 from outbox_relay.consumer.handlers import BatchHandler, Handler, Handlers
-from outbox_relay.consumer.pipelining import pipelined
+from outbox_relay.consumer.pipelining import KeptInsertFailed, Pipelined, pipelined
 from outbox_relay.consumer.retry import PermanentError, Retry, judge
 from outbox_relay.shared import psycopg_driver, tracing
 from outbox_relay.shared.db import is_postgres
@@ -159,6 +159,8 @@ class _Deferred:
     # The handlers' inserts are in flight (consumer/pipelining.py): a database error raised
     # in a handler may be an earlier handler's, so it names no delivery.
     pipelined: bool = False
+    # The block's pipeline, asked after each handler whether kept inserts failed.
+    pipe: Pipelined | None = None
 
     def add(self, conn: Connection, fn: BatchHandler, d: Delivery,
             key: AggregateKey | None) -> None:
@@ -179,7 +181,7 @@ class _Deferred:
             try:
                 fn(conn, [d.event for d in deliveries])
             except Exception as err:
-                _raise_if_claim_lost(conn, err)
+                _raise_if_claim_lost(conn, _database_error(err))
                 raise HandlerFailure(None, err) from err
 
 
@@ -236,7 +238,7 @@ def decide_batch(
         try:
             with (conn.begin_nested() if savepoint else contextlib.nullcontext(),
                   pipelined(conn, handlers.pipeline) as pipe):
-                deferred.pipelined = pipe.on
+                deferred.pipelined, deferred.pipe = pipe.pipelining, pipe
                 outcomes = [_decide(conn, d, trial, handlers, False, group, default,
                                     deferred=deferred, spans=spans) for d in batch]
                 deferred.flush(conn)
@@ -250,7 +252,7 @@ def decide_batch(
                     # own and left the transaction failed: whose is not known. The claim done
                     # again writes with nothing in flight and a savepoint per handler, so an
                     # error of the writes themselves raises there as itself.
-                    _raise_if_claim_lost(conn, err)
+                    _raise_if_claim_lost(conn, _database_error(err))
                     raise HandlerFailure(None, err) from err
             if then is not None:
                 then(outcomes, trial, False)
@@ -350,7 +352,8 @@ def _call(conn: Connection, d: Delivery, handler: Handler, handlers: Handlers,
             return None
         deferred.before(conn, key)
     return _run(conn, d, handler, savepoints, group,
-                pipelined=deferred is not None and deferred.pipelined, spans=spans)
+                pipelined=deferred is not None and deferred.pipelined, spans=spans,
+                kept=deferred.pipe if deferred is not None else None)
 
 
 def _failed(d: Delivery, err: Exception, ledger: Ledger, policy: Retry | None, strict: bool,
@@ -380,15 +383,16 @@ def _failed(d: Delivery, err: Exception, ledger: Ledger, policy: Retry | None, s
 
 def _run(
     conn: Connection, d: Delivery, handler: Handler, savepoints: bool, group: str,
-    pipelined: bool = False, spans: bool = True,
+    pipelined: bool = False, spans: bool = True, kept: Pipelined | None = None,
 ) -> Exception | None:
     """Run the handler (with ``spans``, in a trace span, child of the producer's context:
     :func:`shared.tracing.process_span`); its own failure, None when it succeeded.
 
     Without savepoints (the optimistic path) a failure raises :class:`HandlerFailure`; with
     ``pipelined`` inserts in flight a database error names no delivery (it may be an earlier
-    handler's insert). A lost connection or contention raises (the whole claim fails and is
-    retried).
+    handler's insert), nor does a failure of inserts ``kept`` (consumer/pipelining.py) raised
+    into this handler, or caught by it. A lost connection or contention raises (the whole
+    claim fails and is retried).
     """
     event = d.event
     span = tracing.process_span(event.traceparent, event.tracestate, d.key, event.id,
@@ -397,11 +401,16 @@ def _run(
         try:
             with span:
                 handler(conn, event)
+                if kept is not None and kept.failed is not None:
+                    raise kept.failed  # an earlier handler's kept insert; this one caught it
                 if not pipelined:
                     _check_usable(conn)
         except Exception as err:
-            _raise_if_claim_lost(conn, err)
-            known = not (pipelined and isinstance(err, exc.DBAPIError))
+            _raise_if_claim_lost(conn, _database_error(err))
+            # An earlier handler's kept insert, sent by this handler's statement; in pipeline
+            # mode any database error may be an earlier handler's insert in flight.
+            known = not (isinstance(err, KeptInsertFailed)
+                         or (pipelined and isinstance(err, exc.DBAPIError)))
             raise HandlerFailure(d if known else None, err) from err
         return None
     try:
@@ -486,6 +495,11 @@ def _raise_if_claim_lost(conn: Connection, err: Exception) -> None:
         raise err
     if not is_postgres(conn) and "database is locked" in str(err.orig):
         raise UnavailableError("the database is locked by another writer") from err
+
+
+def _database_error(err: Exception) -> Exception:
+    """The database's error behind ``err`` (a kept insert's failure carries it)."""
+    return err.error if isinstance(err, KeptInsertFailed) else err
 
 
 def _dialect_disconnect(conn: Connection, err: exc.DBAPIError) -> bool:

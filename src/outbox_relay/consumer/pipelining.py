@@ -34,7 +34,9 @@ sends on the driver's own connection, under SQLAlchemy, are not seen: such a han
 ``Handlers(pipeline=False)``.)
 
 When an insert fails, its error is raised at the next statement that waits, or at the end of
-the batch, so which handler failed is not known: the caller redoes the batch with a savepoint
+the batch, so which handler failed is not known (a kept insert's as :class:`KeptInsertFailed`,
+which a handler's ``except IntegrityError`` does not match, raised again after a handler that
+caught it and at the end): the caller redoes the batch with a savepoint
 per handler and no pipeline (the outcomes are those of that path, as for any failure on the
 optimistic path). A handler that catches a database error of its own insert therefore sees it
 only in that redo. ``Handlers(pipeline=False)`` turns it all off for a group.
@@ -46,8 +48,9 @@ soon as it is sent, before a pipeline could have them): what is kept is sent wit
 ``executemany`` (which psycopg pipelines: one round trip; aiosqlite: one hop to its thread)
 before the next other statement and at the batch's end. So an async one-row handler neither
 waits a round trip (or a thread hop) per event nor awaits the driver at all for its insert,
-and what it reads is the same. Sync handlers on SQLite run as before (SQLite's own
-``execute`` is a C call in this thread: nothing to save).
+and what it reads is the same. On SQLite only Core inserts are kept (a handler may read a
+text insert's ``lastrowid``, which only its own cursor has). Sync handlers on SQLite run as
+before (SQLite's own ``execute`` is a C call in this thread: nothing to save).
 """
 
 from __future__ import annotations
@@ -67,12 +70,28 @@ if TYPE_CHECKING:
     import psycopg
 
 
+class KeptInsertFailed(Exception):
+    """Kept inserts failed when they were sent: which handler's insert it was is not known
+    (any earlier handler of the batch). Deliberately not a ``DBAPIError``: a handler that
+    catches ``IntegrityError`` around its own statement must not take it for its own (the
+    claim redoes the batch with a savepoint per handler, where each insert fails as itself).
+    ``error``: the SQLAlchemy error the driver's was translated to."""
+
+    def __init__(self, error: exc.DBAPIError) -> None:
+        super().__init__(f"an insert kept on the optimistic path failed when it was sent "
+                         f"({type(error).__name__}); the batch is claimed again")
+        self.error = error
+
+
 class _InFlight:
     """One claim connection on the optimistic path: its pipeline (sync psycopg; None: an
     async driver, which only keeps), and the plain inserts kept to be sent together
-    (``statement``: their text; ``rows``: their parameters, in the handlers' order)."""
+    (``statement``: their text; ``rows``: their parameters, in the handlers' order);
+    ``failed``: what sending them raised, raised again at the end even if a handler caught
+    it; ``core_only``: keep only Core inserts (SQLite: a text insert's handler may read the
+    cursor's ``lastrowid``)."""
 
-    __slots__ = ("dbapi", "error", "pipeline", "rows", "statement")
+    __slots__ = ("core_only", "dbapi", "error", "failed", "pipeline", "rows", "statement")
 
     def __init__(self, conn: Connection, pipeline: psycopg.Pipeline | None) -> None:
         self.pipeline = pipeline
@@ -80,13 +99,26 @@ class _InFlight:
         # cursor awaits each call itself), and the driver's error root.
         self.dbapi: Any = conn.connection.dbapi_connection
         self.error: type[Exception] = conn.dialect.loaded_dbapi.Error
+        self.core_only = not is_postgres(conn)
+        self.failed: KeptInsertFailed | None = None
         self.statement: str | None = None
         self.rows: list[Any] = []
+
+    def keeps(self, statement: str, context: Any, executemany: bool) -> bool:
+        """Whether the statement is kept instead of sent (see the module docstring)."""
+        if executemany or context is None or not _plain(statement):
+            return False
+        options = context.execution_options
+        if options.get("outbox_in_flight") or options.get("no_parameters"):
+            return False  # the claim's own; or SQLAlchemy sends it without parameters
+        if getattr(context.compiled, "postfetch_lastrowid", False):
+            return False  # SQLAlchemy reads the new row's key from this cursor (lastrowid)
+        return not self.core_only or bool(context.isinsert)
 
     def send_kept(self) -> None:
         """Send the kept inserts: one ``executemany`` (in the pipeline: nothing waits; on an
         async driver, awaited: psycopg pipelines it, one round trip). An error the driver
-        raises is raised as the SQLAlchemy error a statement run through SQLAlchemy raises."""
+        raises is raised as :class:`KeptInsertFailed` (and remembered in ``failed``)."""
         if not self.rows:
             return
         statement, rows = self.statement, self.rows
@@ -99,7 +131,9 @@ class _InFlight:
                 cursor.executemany(statement, rows)
         except self.error as err:
             wrapped = exc.DBAPIError.instance(None, None, err, self.error)
-            raise wrapped from err
+            assert isinstance(wrapped, exc.DBAPIError)
+            self.failed = KeptInsertFailed(wrapped)
+            raise self.failed from wrapped
         finally:
             with suppress(self.error):
                 cursor.close()
@@ -121,14 +155,26 @@ class Pipelined:
 
     @property
     def on(self) -> bool:
-        """Statements may be in flight or kept: a database error names no handler."""
+        """Inserts may be kept (or in flight): what :meth:`finish` raises names no handler."""
         return self._state is not None
+
+    @property
+    def failed(self) -> KeptInsertFailed | None:
+        """Kept inserts failed when sent (raised into a handler, which may have caught it)."""
+        return self._state.failed if self._state is not None else None
+
+    @property
+    def pipelining(self) -> bool:
+        """The connection is in pipeline mode: a database error raised in a handler may be
+        an earlier handler's insert in flight (its own statements' are then not known)."""
+        return self._state is not None and self._state.pipeline is not None
 
     def finish(self) -> None:
         """Send the kept inserts, wait for every result still in flight and leave pipeline
         mode (one round trip: psycopg's own end of the pipeline, a sync); an insert's failure
-        raises here, as the SQLAlchemy error a handler would have seen (so the claim judges
-        it the same way). Statements after it in the block are not pipelined."""
+        raises here: a kept one's as :class:`KeptInsertFailed` (also when it was raised into
+        a handler earlier, which caught it), one in flight as the SQLAlchemy error a handler
+        would have seen. Statements after it in the block are not pipelined."""
         if self.done:
             return
         self.done = True
@@ -136,6 +182,8 @@ class Pipelined:
         _ACTIVE.pop(self._key, None)
         try:
             self._state.send_kept()
+            if self._state.failed is not None:
+                raise self._state.failed
             if self._manager is not None:
                 self._manager.__exit__(None, None, None)
         except psycopg_driver.error_type() as err:
@@ -199,8 +247,9 @@ def _before_cursor_execute(conn: Connection, cursor: Any, statement: str, parame
     """Before any statement but the next of the kept inserts: send the kept ones first, so
     the database sees every statement in the order it was run."""
     state = _ACTIVE.get(id(conn))
-    if state is not None and state.rows and (executemany or statement != state.statement
-                                             or _in_flight(context)):
+    if state is not None and state.rows and (statement != state.statement
+                                             or not state.keeps(statement, context,
+                                                                executemany)):
         state.send_kept()
 
 
@@ -208,13 +257,13 @@ def _do_execute(cursor: Any, statement: str, parameters: Any, context: Any) -> b
     """Keep a plain one-row insert of a handler instead of sending it (True: SQLAlchemy
     takes the statement as executed); it is sent with the next ones of the same text."""
     state = _ACTIVE.get(id(context.root_connection))
-    if state is None or _in_flight(context) or not _plain(statement):
+    if state is None or not state.keeps(statement, context, False):
         return False
-    if getattr(context.compiled, "postfetch_lastrowid", False):
-        return False  # SQLite: SQLAlchemy reads the new row's key from this cursor (lastrowid)
     state.statement = statement
-    # A copy: a handler may run ``exec_driver_sql`` again with the same dict, changed.
+    # A copy: a handler may run ``exec_driver_sql`` again with the same dict, changed (a
+    # shallow one: a list or dict value changed after the call changes the kept row).
     state.rows.append(dict(parameters) if isinstance(parameters, dict) else tuple(parameters))
+    context._rowcount = 1  # what the insert reports once it succeeded (else: redone)
     if state.pipeline is None:
         # An async driver: SQLAlchemy's AsyncConnection.execute insists that the statement
         # awaited something (AwaitRequired otherwise): one await that completes at once, no
@@ -233,14 +282,13 @@ def _after_cursor_execute(conn: Connection, cursor: Any, statement: str, paramet
     lets a plain one-row insert stay in flight, makes every other statement wait for its
     results."""
     state = _ACTIVE.get(id(conn))
-    if state is None or _in_flight(context):
-        return  # the claim's own statement: nobody reads its result (shared.db.IN_FLIGHT)
+    if state is None or state.pipeline is None or _in_flight(context):
+        return  # nothing in flight; or the claim's own statement, whose result nobody reads
     if not executemany and _plain(statement):
         if context is not None:
             context._rowcount = 1  # what the insert reports once it succeeded (else: redone)
         return
-    if state.pipeline is not None:
-        state.pipeline.sync()
+    state.pipeline.sync()
 
 
 def _in_flight(context: Any) -> bool:
