@@ -14,8 +14,6 @@ import pytest
 from sqlalchemy import (
     Column,
     Engine,
-    ForeignKey,
-    Integer,
     MetaData,
     String,
     Table,
@@ -84,36 +82,8 @@ def test_an_async_handlers_inserts_are_kept_and_read_back_inside_the_batch(
     assert effect_counts(engine) == {ev.id: 1 for ev in events}
 
 
-def test_an_async_handlers_kept_inserts_go_in_the_order_they_ran(engine: Engine) -> None:
-    """Parent then child rows (a foreign key checked at once), each handler's: applied on the
-    optimistic path, every handler run once."""
-    meta = MetaData()
-    parents = Table("test_apipe_parents", meta, Column("id", String(64), primary_key=True))
-    children = Table("test_apipe_children", meta,
-                     Column("id", Integer, primary_key=True, autoincrement=False),
-                     Column("parent", String(64), ForeignKey("test_apipe_parents.id"),
-                            nullable=False))
-    meta.create_all(engine)
-    calls: list[str] = []
-
-    async def handler(conn: AsyncConnection, ev: Event) -> None:
-        calls.append(ev.id)
-        i = int(ev.aggregateid[1:])  # type: ignore[index]
-        await conn.execute(insert(parents).values(id=ev.id))
-        await conn.execute(insert(children).values(id=2 * i, parent=ev.id))
-        await conn.execute(insert(children).values(id=2 * i + 1, parent=ev.id))
-
-    handlers = Handlers()
-    handlers.register("*", handler)
-    events = [event(f"b{i}", 1) for i in range(4)]
-    try:
-        outcomes = inbox.claim(engine, "g", deliveries(events), handlers)
-        assert [o.outcome for o in outcomes] == [inbox.APPLIED] * 4
-        assert calls == [ev.id for ev in events]
-        with engine.connect() as conn:
-            assert conn.execute(select(func.count()).select_from(children)).scalar_one() == 8
-    finally:
-        meta.drop_all(engine)
+# The order of kept inserts against other statements, async handlers included: in
+# tests/integration/test_handler_pipelining.py (test_kept_inserts_go_before_any_other_...).
 
 
 def test_a_failing_kept_insert_of_an_async_handler_fails_only_its_own_event(

@@ -24,8 +24,9 @@ from sqlalchemy import (
     update,
 )
 from sqlalchemy import exc as sa_exc
+from sqlalchemy.ext.asyncio import AsyncConnection
 
-from outbox_relay.consumer import inbox
+from outbox_relay.consumer import async_handlers, inbox
 from outbox_relay.consumer.handlers import Handlers
 from outbox_relay.consumer.pipelining import _ACTIVE
 from outbox_relay.shared.db import is_postgres
@@ -211,43 +212,56 @@ def test_consecutive_one_row_inserts_are_kept_and_sent_together(engine: Engine) 
     assert rows == {(40_000 + i, ev.id) for i, ev in enumerate(events)}
 
 
+_pipe_meta = MetaData()
+_parents = Table("test_pipe_parents", _pipe_meta, Column("id", String(64), primary_key=True))
+_children = Table("test_pipe_children", _pipe_meta,
+                  Column("id", Integer, primary_key=True, autoincrement=False),
+                  Column("parent", String(64), ForeignKey("test_pipe_parents.id"),
+                         nullable=False))
+
+
+@pytest.mark.parametrize("style", ["sync", "async"])
 def test_kept_inserts_go_before_any_other_statement_in_the_order_they_ran(
-    engine: Engine,
+    engine: Engine, style: str,
 ) -> None:
-    """A handler writing a parent row then a child row that references it (a foreign key
+    """A handler writing a parent row then two child rows that reference it (a foreign key
     checked at once): each statement of another text sends what is kept first, so the
     database sees them in the handlers' order and every event applies on the optimistic path
-    (no redo: each handler ran once)."""
-    meta = MetaData()
-    parents = Table("test_pipe_parents", meta, Column("id", String(64), primary_key=True))
-    children = Table("test_pipe_children", meta, Column("id", Integer, primary_key=True,
-                                                        autoincrement=False),
-                     Column("parent", String(64), ForeignKey("test_pipe_parents.id"),
-                            nullable=False))
-    meta.create_all(engine)
+    (no redo: each handler ran once). Sync handlers (PostgreSQL: in the pipeline) and async
+    ones (kept on both databases)."""
+    _pipe_meta.create_all(engine)
     if not is_postgres(engine):
         with engine.connect() as conn:
             assert conn.exec_driver_sql("PRAGMA foreign_keys").scalar() == 1
     calls: list[str] = []
 
-    def handler(conn: Connection, ev: Event) -> None:
+    def rows(ev: Event) -> list[Any]:
         calls.append(ev.id)
         i = int(ev.aggregateid[1:])  # type: ignore[index]
-        conn.execute(insert(parents).values(id=ev.id))
-        conn.execute(insert(children).values(id=2 * i, parent=ev.id))
-        conn.execute(insert(children).values(id=2 * i + 1, parent=ev.id))
+        return [insert(_parents).values(id=ev.id),
+                insert(_children).values(id=2 * i, parent=ev.id),
+                insert(_children).values(id=2 * i + 1, parent=ev.id)]
+
+    def handler(conn: Connection, ev: Event) -> None:
+        for statement in rows(ev):
+            conn.execute(statement)
+
+    async def async_handler(conn: AsyncConnection, ev: Event) -> None:
+        for statement in rows(ev):
+            await conn.execute(statement)
 
     handlers = Handlers()
-    handlers.register("*", handler)
+    handlers.register("*", handler if style == "sync" else async_handler)
     events = [event(f"v{i}", 1) for i in range(4)]
     try:
         outcomes = inbox.claim(engine, "g", deliveries(events), handlers)
         assert [o.outcome for o in outcomes] == [inbox.APPLIED] * 4
         assert calls == [ev.id for ev in events]
         with engine.connect() as conn:
-            assert conn.execute(select(func.count()).select_from(children)).scalar_one() == 8
+            assert conn.execute(select(func.count()).select_from(_children)).scalar_one() == 8
     finally:
-        meta.drop_all(engine)
+        async_handlers.close()
+        _pipe_meta.drop_all(engine)
 
 
 def test_a_kept_insert_the_driver_cannot_send_fails_only_its_own_event(engine: Engine) -> None:
