@@ -45,6 +45,7 @@ from outbox_relay.consumer import (
     group_status,
     inbox,
     letters,
+    lock_table,
     streams,
     triage,
 )
@@ -181,6 +182,8 @@ class Consumer:
         included) and nothing unread on any of its partition streams (:meth:`idle`)."""
         log.info("consumer %s of group %s started", self.name, self.settings.group,
                  extra={"consumer": self.name, "group": self.settings.group})
+        lock_table.warn_if_few_claims_fit(self.engine, self.settings.batch_size,
+                                          self.settings.group)
         try:
             while not self._stop.is_set():
                 self.last_loop = time.monotonic()
