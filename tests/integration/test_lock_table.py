@@ -12,8 +12,9 @@ from sqlalchemy import Engine
 from outbox_relay.consumer import lock_table
 from outbox_relay.consumer.daemon import Consumer
 from outbox_relay.consumer.handlers import Handlers
+from outbox_relay.shared import db
 from outbox_relay.shared.db import is_postgres
-from tests.helpers import consumer_settings
+from tests.helpers import consumer_settings, free_port
 
 pytestmark = pytest.mark.integration
 
@@ -52,3 +53,14 @@ def test_a_consumer_starting_with_a_batch_a_few_claims_of_which_fill_it_warns(
             assert "max_locks_per_transaction" in text and "OUTBOX_BATCH_SIZE=10000" in text
     if is_postgres(engine):
         assert table is not None and table // 10_000 < lock_table.FEW_CLAIMS  # it did warn
+
+
+def test_a_database_down_at_start_leaves_the_check_silent_and_the_start_going() -> None:
+    """The check is advice: PostgreSQL unreachable when the consumer starts (our connect
+    error, ``UnavailableError``) is the daemon loop's to wait for, not a crash of the start."""
+    down = db.make_engine(f"postgresql+psycopg://postgres@127.0.0.1:{free_port()}/test")
+    try:
+        assert lock_table.size(down) is None
+        assert lock_table.warn_if_few_claims_fit(down, 10_000, "g") is None
+    finally:
+        down.dispose()

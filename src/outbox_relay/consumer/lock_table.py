@@ -18,6 +18,7 @@ from sqlalchemy import Cast, Engine, Integer, cast, func, select
 from sqlalchemy.exc import SQLAlchemyError
 
 from outbox_relay.shared.db import is_postgres
+from outbox_relay.shared.errors import OutboxError
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +39,10 @@ def size(engine: Engine) -> int | None:
     try:
         with engine.connect() as conn:
             return int(conn.execute(query).scalar_one())
-    except SQLAlchemyError:  # the daemon's own loop says when the database is unavailable
+    except (SQLAlchemyError, OutboxError):
+        # Down or unreachable at start (the connect's errors are ours: UnavailableError,
+        # CannotConnectError): the daemon's own loop waits for it and says so; this check
+        # is advice and never stops a start.
         log.debug("could not read the lock table's size", exc_info=True)
         return None
 
