@@ -13,7 +13,7 @@ import redis
 from sqlalchemy import Engine, event, select
 
 from outbox_relay.producer import Producer
-from outbox_relay.relay import append, outgoing, store
+from outbox_relay.relay import append, outgoing, store, wakeup
 from outbox_relay.relay.daemon import Relay
 from outbox_relay.relay.leases import acquire_leases
 from outbox_relay.shared import keys, psycopg_driver
@@ -533,3 +533,86 @@ def test_on_a_cluster_a_call_whose_connection_is_lost_makes_only_its_batch_unkno
     assert len(outcomes[0].delivered) == len(batches[0][0])
     assert isinstance(outcomes[1], UnavailableError)
     assert redis_client.xlen(lost_key) == 0
+
+
+def test_a_settle_also_takes_the_partitions_notified_during_its_round(
+    engine: Engine, redis_client: redis.Redis, key_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A round settles partition 0 while new rows were committed and notified in partition 1:
+    its settle takes them too (on PostgreSQL pipelined, the take's fence sent in partition
+    order among the settle's fenced marks), so the next round appends them with no take
+    transaction of its own, under the ids recorded then, once each."""
+    relay = relay_holding_everything(engine, redis_client, key_prefix)
+    first = enqueue_in(engine, 0, 2)
+    relay.run(until_idle=True)  # the stream is registered: later settles are pipelined
+    relay.wakeup.listening = True  # notifications name partitions (a LISTEN connection)
+    relay.wakeup.interval = 3600.0  # and no poll makes a round visit every partition
+    monkeypatch.setattr(wakeup, "FULL_ROUND_S", 3600.0)
+    relay.wakeup.targets()
+    first += enqueue_in(engine, 0, 3, aggregate=1)
+    relay.wakeup.notify(0)
+    real = append.append_many
+    later: list[str] = []
+
+    def commit_and_notify_then_append(*args: Any, **kwargs: Any) -> Any:
+        if not later:
+            later.extend(enqueue_in(engine, 1, 4))
+            relay.wakeup.notify(1)  # what its NOTIFY does, through the listener thread
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(append, "append_many", commit_and_notify_then_append)
+    sent = pipelined_sends(engine, monkeypatch)
+    delivered = relay.stats.delivered
+
+    assert relay.run_once()  # busy: what its settle took goes out next
+
+    assert relay.stats.delivered == delivered + 3 and len(later) == 4
+    assert set(relay._pretaken) == {1}
+    if pipelined_on(engine):
+        settle = [x.split()[0] for x in sent[next(i for i, x in enumerate(sent)
+                                                  if x.startswith("WITH fence")):]]
+        # 0's fenced mark, then 1's fence (partition order); both first reads; both records
+        assert settle == ["WITH", "UPDATE", "SELECT", "SELECT", "UPDATE", "UPDATE"]
+    taken = recorded_ids(engine)
+    assert {p for p, _seq in taken} == {1}
+    monkeypatch.undo()
+    transactions = fenced_transactions(engine, monkeypatch)
+
+    relay.run_once()
+
+    fenced = [t for t in transactions if any(is_fence(s) for s in t)]
+    assert len(fenced) == 1  # the settle: no take transaction
+    assert relay.stats.delivered == delivered + 7
+    assert_sent_under(engine, taken, later)
+    assert_sent_once(engine, redis_client, key_prefix, first + later)
+
+
+def test_a_settle_takes_nothing_of_a_partition_notified_but_idle_lost_or_retrying(
+    engine: Engine, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    """``also`` in a pipelined settle: a partition with a recorded batch to retry is left to
+    its own take (its record unchanged), one taken over by another relay is neither taken
+    nor reported lost (its next take finds out), an idle one takes nothing; the settle of the
+    others commits."""
+    settled, retrying, stolen, idle = 0, 1, 2, 3
+    held = acquire_leases(engine, "a", PARTITIONS, TTL)
+    enqueue_in(engine, settled, 2)
+    batch = store.take_batch(engine, settled, "a", held[settled], 100, TTL)
+    verdict = append.append(redis_client, key_prefix, batch, held[settled])
+    enqueue_in(engine, retrying, 2)
+    recorded = store.take_batch(engine, retrying, "a", held[retrying], 100, TTL)
+    enqueue_in(engine, stolen, 2)
+    expire_lease(engine, stolen)
+    assert acquire_leases(engine, "b", PARTITIONS, TTL)[stolen] == held[stolen] + 1
+    before = recorded_ids(engine)
+
+    lost, taken = store.settle_batches(
+        engine, "a", TTL, [store.Settlement(settled, held[settled], verdict.delivered, [], [])],
+        take=frozenset({settled}), batch_size=100,
+        also={p: held[p] for p in (retrying, stolen, idle)})
+
+    assert lost == [] and taken == {}
+    assert recorded_ids(engine) == {k: v for k, v in before.items() if k[0] == retrying}
+    assert {(r.partition, r.seq) for r in recorded} <= set(recorded_ids(engine))
+    marked = {r.event_id for r in outbox_rows(engine) if r.delivered_at_ms is not None}
+    assert marked == {r.event_id for r in batch}

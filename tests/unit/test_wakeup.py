@@ -127,3 +127,54 @@ def test_a_wait_times_out_when_the_poll_is_due() -> None:
     w.wait()  # nothing notified: times out 1 ms after the round started
     assert not w.event.is_set()
     assert w.targets() is None
+
+
+def full_round(w: Wakeup, clock: list[float], named: set[int]) -> None:
+    """The next round, made a full one (its poll is due), with ``named`` notified first."""
+    for partition in named:
+        w.notify(partition)
+    clock[0] += w.interval + 1e-6
+    assert w.targets() is None
+
+
+def test_a_busy_notified_trickle_backs_the_poll_off(clock: list[float]) -> None:
+    """Full rounds that find rows only where notifications named them (before the round, or
+    while it ran) double the interval, though the relay never waits (it stays busy): the
+    notifications bring those rows, and a poll every ``poll_min_ms`` made every other round
+    take every partition."""
+    w = listening()
+    w.worked(set())  # the first round: rows nowhere
+    assert w.interval == pytest.approx(0.010)
+    full_round(w, clock, {0, 1})
+    w.worked({0, 1})
+    assert w.interval == pytest.approx(0.020)
+    full_round(w, clock, {2})
+    w.notify(3)  # committed during the round: its NOTIFY lands after the take found it
+    w.worked({2, 3})
+    assert w.interval == pytest.approx(0.040)
+    w.targets()
+    w.worked({1})  # not a full round: the interval stays
+    assert w.interval == pytest.approx(0.040)
+
+
+def test_a_full_round_finding_rows_no_notification_named_polls_again_soon(
+    clock: list[float],
+) -> None:
+    """Rows written without ``NOTIFY`` (``notify=False`` producers) keep the poll at
+    ``poll_min_ms``, as before, whatever else was notified."""
+    w = listening()
+    for _ in range(3):
+        full_round(w, clock, {0})
+        w.worked({0})
+    assert w.interval == pytest.approx(0.040)
+    full_round(w, clock, {0})
+    w.worked({0, 2})
+    assert w.interval == pytest.approx(0.005)
+
+
+def test_without_a_listener_a_round_that_found_rows_keeps_the_short_interval() -> None:
+    w = Wakeup(5, 200)  # every round is a poll: rows found keep it at poll_min_ms
+    assert w.targets() is None
+    w.interval = 0.1
+    w.worked(set())
+    assert w.interval == pytest.approx(0.005)

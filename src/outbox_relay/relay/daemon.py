@@ -90,6 +90,7 @@ class Relay:
         self._next_lease_check = 0.0
         self._backoff = Backoff()
         self._found_rows = False
+        self._found_in: set[int] = set()  # partitions whose rows the round's own take found
         self._append_thread: ThreadPoolExecutor | None = None
         self._busy: set[int] = set()  # partitions whose last visit said there may be more
         # Batches a round's settle took for the next round (store.settle_batches ``take``):
@@ -194,14 +195,14 @@ class Relay:
                     self._sleep_backoff(err)
                     continue
                 if busy:
-                    self.wakeup.worked()
+                    self.wakeup.worked(self._found_in)
                 elif until_idle:
                     if not others:
                         break
                     self.wakeup.wait()
                 else:
                     if self._found_rows:  # a trickle of work: keep polling at the short interval
-                        self.wakeup.worked()
+                        self.wakeup.worked(self._found_in)
                     self.wakeup.wait()
             self._send_pretaken()
         finally:
@@ -242,7 +243,8 @@ class Relay:
         pretaken = self._held_pretaken()
         if targets is not None:  # notified partitions, the busy ones, and any newly leased
             targets |= self._busy | (set(self.leases) - held) | set(self._pretaken)
-        self._busy = set()
+        known, self._busy = self._busy, set()
+        self._found_in = set()
         epochs = {p: e for p, e in self.leases.items() if targets is None or p in targets}
         if not epochs or self._stop.is_set():
             return False  # what was taken stays for _send_pretaken
@@ -257,13 +259,15 @@ class Relay:
             self._lease_lost(partition, epochs[partition])
         if taken:
             faults.point("relay.after_take")
+        self._found_in = set(taken) - known  # rows the round's own take found (Wakeup.worked)
         taken.update(pretaken)
         if not taken:
             return False
         self._found_rows = True
         full = {p: rows for p, rows in taken.items() if len(rows) >= s.batch_size}
         self._busy = self._relay_round(
-            {p: rows for p, rows in taken.items() if p not in full}, epochs, take_next=True)
+            {p: rows for p, rows in taken.items() if p not in full}, epochs, take_next=True,
+            chained=set(full))
         for partition, rows in full.items():  # a backlog: the chain of overlapped batches
             try:
                 if self.relay_partition(partition, epochs[partition], rows):
@@ -308,7 +312,7 @@ class Relay:
 
     def _relay_round(
         self, taken: dict[int, list[outgoing.OutboxRow]], epochs: dict[int, int], *,
-        take_next: bool,
+        take_next: bool, chained: set[int] | None = None,
     ) -> set[int]:
         """Append the partial batches of a round (one Redis round trip for all), and settle
         them all in **one** transaction; returns the partitions that may have more.
@@ -317,7 +321,9 @@ class Relay:
         whose batch landed whole (:func:`store.settle_batches`), for the next round: the rows
         committed while this round appended go out without a take transaction of their own
         and without waiting for a notification. Not after a gap, a refusal or a retry (their
-        rows follow the round's usual rules: a refused stream backs off).
+        rows follow the round's usual rules: a refused stream backs off). It also takes the
+        next batch of the partitions notified while the round ran (:meth:`_settle_all`), but
+        not of those in ``chained`` (their full batch goes on to the backlog chain).
 
         At a trickle a round takes a few rows in each notified partition: one take and one
         settle transaction for all of them, instead of two per partition, and their appends
@@ -338,21 +344,32 @@ class Relay:
             else:
                 error = error or outcome
         if landed:
-            self._settle_all(landed, epochs, take_next=take_next and error is None)
+            self._settle_all(landed, epochs, take_next=take_next and error is None,
+                             chained=chained or set())
         if error is not None:
             raise error
         return {rows[0].partition for rows, verdicts in landed if self._more(rows, verdicts)}
 
     def _settle_all(
         self, landed: list[tuple[list[outgoing.OutboxRow], append.Verdicts]],
-        epochs: dict[int, int], *, take_next: bool,
+        epochs: dict[int, int], *, take_next: bool, chained: set[int],
     ) -> None:
         """Settle several partitions' batches in one transaction (:func:`store.settle_batches`);
         with ``take_next``, keep what it took for the next round (:meth:`_relay_round`), unless
         the relay is stopping or the next round starts with housekeeping
-        (:meth:`_chores_due`)."""
+        (:meth:`_chores_due`).
+
+        What it takes: the next batch of each partition it settles whole, and of each other
+        partition we hold that a notification named while the round ran (``also``; none in
+        ``chained``). At a trickle over several partitions the rows committed during a round
+        are mostly in partitions the round did not settle: taken here, they go out with the
+        next round's append instead of after a take transaction of their own (on PostgreSQL;
+        SQLite has no notifications)."""
         s = self.settings
         take_next = take_next and not (self._stop.is_set() or self._chores_due())
+        settled = {rows[0].partition for rows, _v in landed}
+        also = {p: e for p in self.wakeup.named_now() - settled - chained
+                if (e := self.leases.get(p)) is not None} if take_next else {}
         outcomes, news, clean = [], {}, set()
         for rows, v in landed:
             partition = rows[0].partition
@@ -364,11 +381,12 @@ class Relay:
                 clean.add(partition)
         lost, taken = store.settle_batches(
             self.engine, self.node_id, s.lease_ttl_ms, outcomes, take=frozenset(clean),
-            batch_size=s.batch_size, waiting=self._waiting)
+            batch_size=s.batch_size, waiting=self._waiting, also=also)
         faults.point("relay.after_mark")
         if taken:
             faults.point("relay.after_take")
-            self._pretaken = {p: (epochs[p], rows) for p, rows in taken.items()}
+            self._pretaken = {p: (also[p] if p in also else epochs[p], rows)
+                             for p, rows in taken.items()}
         for partition in lost:
             self._lease_lost(partition, epochs[partition])
         for rows, v in landed:

@@ -432,7 +432,7 @@ class Settlement:
 def settle_batches(
     engine: Engine, node_id: str, ttl_ms: int, outcomes: list[Settlement], *,
     take: frozenset[int] = frozenset(), batch_size: int = 0,
-    waiting: dict[int, frozenset[str]] | None = None,
+    waiting: dict[int, frozenset[str]] | None = None, also: dict[int, int] | None = None,
 ) -> tuple[list[int], dict[int, list[OutboxRow]]]:
     """:func:`settle` for several partitions' batches in **one** transaction; returns the
     partitions fenced out, whose rows stay as they were (their next owner retries the
@@ -445,26 +445,54 @@ def settle_batches(
     appended go out in the next round without a take transaction of their own (at a steady
     trickle, the round's time from commit to ``XADD`` is what bounds the latency). A
     partition that still has a recorded batch after its settle takes nothing here (its
-    retry comes first, by :func:`take_batches`)."""
+    retry comes first, by :func:`take_batches`).
+
+    ``also`` (``{partition: epoch}``, partitions not settled here): their next batch is taken
+    in the same transaction too, as :func:`take_batches` takes a fresh one (fence, take,
+    record; the lease rows of all of them locked in partition order). One that is idle,
+    fenced out or has a recorded batch to retry takes nothing and is not reported (its own
+    take, next round, sees to it)."""
     lost: list[int] = []
     taken: dict[int, list[OutboxRow]] = {}
     with translate_errors(), engine.begin() as conn:
         raw = _pipelinable(conn, outcomes)
         if raw is not None:
             return _settle_pipelined(conn, raw, outcomes, node_id, ttl_ms, take=take,
-                                     batch_size=batch_size, waiting=waiting or {})
-        for outcome in sorted(outcomes, key=lambda o: o.partition):
-            p = outcome.partition
-            try:
-                rows = _settle(conn, outcome, node_id, ttl_ms, take_next=p in take,
-                               batch_size=batch_size,
-                               waiting=(waiting or {}).get(p, frozenset()))
-            except LeaseLostError:  # the fence changed nothing: the others still commit
-                lost.append(p)
-                continue
+                                     batch_size=batch_size, waiting=waiting or {},
+                                     also=also or {})
+        settling = {o.partition: o for o in outcomes}
+        extra = {p: e for p, e in (also or {}).items() if p not in settling}
+        for p in sorted([*settling, *extra]):  # lease rows locked in partition order
+            wait_for = (waiting or {}).get(p, frozenset())
+            if p in extra:
+                rows = _take_also(conn, p, node_id, extra[p], batch_size, ttl_ms, wait_for)
+            else:
+                try:
+                    rows = _settle(conn, settling[p], node_id, ttl_ms, take_next=p in take,
+                                   batch_size=batch_size, waiting=wait_for)
+                except LeaseLostError:  # the fence changed nothing: the others still commit
+                    lost.append(p)
+                    continue
             if rows:
                 taken[p] = rows
     return lost, taken
+
+
+def _take_also(
+    conn: Connection, partition: int, node_id: str, epoch: int, batch_size: int, ttl_ms: int,
+    waiting: frozenset[str],
+) -> list[OutboxRow]:
+    """A settle's take of a partition it does not settle (``also`` of
+    :func:`settle_batches`): :func:`_take`'s fence and fresh take, and nothing when the
+    partition is idle, fenced out, or has a recorded batch to retry (its own take does)."""
+    if batch_size <= 0:
+        return []
+    found = leases.fence_statement(conn.dialect, True).execute(
+        conn, leases.lease_params(partition, node_id, epoch, ttl_ms)).first()
+    if found is None or load_batches(found[1]):  # idle or fenced out (not told apart)
+        return []
+    return take_fresh(conn, partition, epoch, batch_size, int(found[2]), str(found[0]), [],
+                      force_write=True, waiting=waiting)
 
 
 def _pipelinable(conn: Connection, outcomes: list[Settlement]) -> Any:
@@ -483,6 +511,7 @@ def _pipelinable(conn: Connection, outcomes: list[Settlement]) -> Any:
 def _settle_pipelined(
     conn: Connection, raw: Any, outcomes: list[Settlement], node_id: str, ttl_ms: int, *,
     take: frozenset[int], batch_size: int, waiting: dict[int, frozenset[str]],
+    also: dict[int, int] | None = None,
 ) -> tuple[list[int], dict[int, list[OutboxRow]]]:
     """:func:`settle_batches` of clean batches (:func:`_pipelinable`) with three waits on
     the database whatever the number of partitions, instead of three per partition.
@@ -501,37 +530,55 @@ def _settle_pipelined(
     returned as lost, the others commit; its next take's rows are chosen by
     :func:`relay.outgoing.sendable_reads` at the fence's clock and recorded before the
     commit. A database error raises here as SQLAlchemy's (the caller's
-    :func:`translate_errors` judges it), and the transaction rolls back whole."""
+    :func:`translate_errors` judges it), and the transaction rolls back whole.
+
+    The partitions of ``also`` are fenced by :func:`take_batches`'s fence (idle skip), sent
+    among the fenced marks in partition order (the lease rows are still locked in that
+    order), and taken fresh with the settled ones."""
     lost: list[int] = []
     taken: dict[int, list[OutboxRow]] = {}
     dialect = conn.dialect
     fenced_mark = _fenced_mark(dialect)
     ordered = sorted(outcomes, key=lambda o: o.partition)
+    also = {p: e for p, e in (also or {}).items()
+            if p not in {o.partition for o in ordered}} if batch_size > 0 else {}
+    steps: list[tuple[int, Settlement | None]] = sorted(
+        [(o.partition, o) for o in ordered] + [(p, None) for p in also],
+        key=lambda step: step[0])
     try:
         with psycopg_driver.pipeline(raw) as pipe:
             cursors = []
-            for o in ordered:
+            for p, o in steps:
+                if o is None:
+                    cursors.append(_send(raw, leases.fence_statement(dialect, True),
+                                         leases.lease_params(p, node_id, also[p], ttl_ms)))
+                    continue
                 params = leases.lease_params(o.partition, node_id, o.epoch, ttl_ms)
                 params.update(b_seqs=[s for s, _ in o.delivered],
                               b_prefix=_one_batch_prefix(o.delivered))
                 cursors.append(_send(raw, fenced_mark, params))
             pipe.sync()
-            settled: list[tuple[Settlement, str, list[Batch], int]] = []
-            for o, cursor in zip(ordered, cursors, strict=True):
+            fenced: list[tuple[int, str, list[Batch], int]] = []
+            fresh: set[int] = set()
+            for (p, o), cursor in zip(steps, cursors, strict=True):
                 found = cursor.fetchone()
+                if o is None:  # idle, fenced out or a batch to retry: its own take's
+                    if found is not None and not load_batches(found[1]):
+                        fenced.append((p, str(found[0]), [], int(found[2])))
+                        fresh.add(p)
+                    continue
                 if found is None:  # fenced out: nothing of it was marked
-                    lost.append(o.partition)
+                    lost.append(p)
                     continue
                 through = max(s for s, _ in o.delivered)
                 batches = [] if o.drop_recorded else [
                     b for b in load_batches(found[1]) if b.first_seq > through]
-                settled.append((o, str(found[0]), batches, int(found[2])))
-            fresh = {o.partition for o, _last, batches, _now in settled
-                     if o.partition in take and not batches}
-            _take_fresh_pipelined(raw, pipe, dialect, {o.partition: o.epoch for o in ordered},
-                                  [(o.partition, last, batches, now)
-                                   for o, last, batches, now in settled],
-                                  batch_size, waiting, taken, fresh)
+                fenced.append((p, str(found[0]), batches, int(found[2])))
+                if p in take and not batches:
+                    fresh.add(p)
+            _take_fresh_pipelined(raw, pipe, dialect,
+                                  {**also, **{o.partition: o.epoch for o in ordered}},
+                                  fenced, batch_size, waiting, taken, fresh)
     except psycopg_driver.error_type() as err:
         raise psycopg_driver.translated(err) from err
     return lost, taken

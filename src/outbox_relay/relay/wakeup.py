@@ -11,14 +11,15 @@ instead of four.
 Besides, the relay **polls**: a full round (every partition) at least every poll interval,
 whether or not notifications keep cutting the waits short. The interval is ``poll_min_ms``
 after a full round that found rows no notification had named, and doubles after each full
-round that found nothing, up to ``poll_max_ms``. So rows nobody announced are taken within the
-current interval (at most ``poll_max_ms``): those of producers that do not notify (many
-concurrent writers: a notifying commit takes a global lock, see ``Producer``), a lost
-notification (listener reconnecting), rows waiting for their retry time, a payload that is not
-a partition. A relay with no traffic settles at one full round per ``poll_max_ms``; rows whose
-notification names them are taken at once, as before; notified rows do not shorten the
-interval (the notifications serve them). Without a listener (SQLite, or the ``LISTEN``
-connection down) every round is a full round.
+round that found nothing, or only rows notifications had named, up to ``poll_max_ms``. So
+rows nobody announced are taken within the current interval (at most ``poll_max_ms``): those
+of producers that do not notify (many concurrent writers: a notifying commit takes a global
+lock, see ``Producer``), a lost notification (listener reconnecting), rows waiting for their
+retry time, a payload that is not a partition. A relay with no traffic, or with only
+notified traffic, settles at one full round per ``poll_max_ms``; rows whose notification
+names them are taken at once, as before; notified rows do not shorten the interval (the
+notifications serve them). Without a listener (SQLite, or the ``LISTEN`` connection down)
+every round is a full round.
 """
 
 from __future__ import annotations
@@ -59,13 +60,35 @@ class Wakeup:
         self._last_full = 0.0  # monotonic start of the last full round
         self._empty_full = False  # the current round is a full round that found nothing (yet)
         self._polled = False  # the current round is a full round no notification named
+        self._round_named: set[int] = set()  # the partitions named for the current round
 
-    def worked(self) -> None:
+    def worked(self, found: set[int] | None = None) -> None:
         """The round found rows. If it was a poll (a full round no notification named), rows
-        come without notifications: poll again after ``poll_min_ms``."""
-        self._empty_full = False
-        if self._polled:
+        come without notifications: poll again after ``poll_min_ms``.
+
+        ``found`` (while listening): the partitions where the round's own take found rows
+        no earlier round had left (relay/daemon.py). Then a full round decides by them: if a
+        notification named each of them (before the round or while it ran: a commit's
+        ``NOTIFY`` lands a little after the commit), the poll
+        found nothing the notifications would not have brought, and the interval doubles as
+        after an empty poll, even while the relay stays busy; else (rows written without
+        ``NOTIFY``) the next poll comes after ``poll_min_ms``. Without this, a steady
+        notified trickle kept the interval at ``poll_min_ms`` for good (a poll racing one
+        ``NOTIFY`` set it there, and full rounds always find rows), and every other round
+        took every partition (relay/daemon.py)."""
+        full, self._empty_full = self._empty_full, False
+        if found is None or not self.listening:  # every round is a poll
+            if self._polled:
+                self.interval = self.min_s
+            return
+        if not full:
+            return
+        with self._lock:
+            announced = self._round_named | self._named
+        if found - announced:
             self.interval = self.min_s
+        else:
+            self.interval = min(self.interval * 2, self.max_s)
 
     def wait(self) -> None:
         """Sleep until notified, stopped, or the next full round is due (the poll interval
@@ -98,10 +121,18 @@ class Wakeup:
                 now - self._last_full >= min(self.interval, FULL_ROUND_S))
             named, self._named, self._everything = self._named, set(), False
         self._empty_full, self._polled = everything, everything and not named
+        self._round_named = named
         if everything:
             self._last_full = now
             return None
         return named
+
+    def named_now(self) -> set[int]:
+        """The partitions notified since the last :meth:`targets`, without taking them: the
+        round's settle may take their rows early (relay/daemon.py), and the next round still
+        visits them (their rows taken, it appends them; else it takes its own)."""
+        with self._lock:
+            return set(self._named)
 
     def visit_everything(self) -> None:
         """Make the next round visit every partition (a poll timeout, a failed round)."""
