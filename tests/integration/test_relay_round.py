@@ -616,3 +616,48 @@ def test_a_settle_takes_nothing_of_a_partition_notified_but_idle_lost_or_retryin
     assert {(r.partition, r.seq) for r in recorded} <= set(recorded_ids(engine))
     marked = {r.event_id for r in outbox_rows(engine) if r.delivered_at_ms is not None}
     assert marked == {r.event_id for r in batch}
+
+
+def test_rows_no_notification_named_keep_the_poll_short_though_a_settle_took_them(
+    engine: Engine, redis_client: redis.Redis, key_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Producers without ``NOTIFY`` and a listening relay: rows committed while a round
+    appends are taken by its settle (partition 0 settled whole), and the next round, a full
+    one, has only those. They were announced by nothing, so the poll stays at
+    ``poll_min_ms`` (relay/wakeup.py ``worked``): counted as an empty poll, the interval
+    doubled and the other partitions' rows waited up to ``poll_max_ms`` (p99 at 1,000 ev/s
+    with ``notify=False`` producers went from 20 to 39 ms)."""
+    relay = relay_holding_everything(engine, redis_client, key_prefix)
+    relay.wakeup.listening = True
+    first = enqueue_in(engine, 0, 2)
+    later = committing_during_the_first_append_in(engine, monkeypatch, 0)
+    relay.wakeup.targets()  # this round is a full one (its first), with nothing named
+    relay.wakeup.visit_everything()
+    assert relay.run_once() and set(relay._pretaken) == {0} and later
+    relay.wakeup.worked(relay._found_in)
+    relay.wakeup.interval = 0.4  # as if polls had backed off
+
+    relay.wakeup.visit_everything()  # the next round is a full one too
+    relay.run_once()
+
+    assert relay._found_in == {0}
+    relay.wakeup.worked(relay._found_in)
+    assert relay.wakeup.interval == pytest.approx(relay.wakeup.min_s)
+    assert_sent_once(engine, redis_client, key_prefix, first + later)
+
+
+def committing_during_the_first_append_in(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch, partition: int
+) -> list[str]:
+    """:func:`committing_during_the_first_append` of 3 events of one aggregate of
+    ``partition``, without any notification."""
+    real = append.append_many
+    ids: list[str] = []
+
+    def commit_then_append(*args: Any, **kwargs: Any) -> Any:
+        if not ids:
+            ids.extend(enqueue_in(engine, partition, 3, aggregate=1))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(append, "append_many", commit_then_append)
+    return ids

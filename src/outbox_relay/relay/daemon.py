@@ -90,7 +90,7 @@ class Relay:
         self._next_lease_check = 0.0
         self._backoff = Backoff()
         self._found_rows = False
-        self._found_in: set[int] = set()  # partitions whose rows the round's own take found
+        self._found_in: set[int] = set()  # partitions with rows new to the round
         self._append_thread: ThreadPoolExecutor | None = None
         self._busy: set[int] = set()  # partitions whose last visit said there may be more
         # Batches a round's settle took for the next round (store.settle_batches ``take``):
@@ -259,8 +259,10 @@ class Relay:
             self._lease_lost(partition, epochs[partition])
         if taken:
             faults.point("relay.after_take")
-        self._found_in = set(taken) - known  # rows the round's own take found (Wakeup.worked)
         taken.update(pretaken)
+        # Where the round has rows that no earlier round said were coming (Wakeup.worked):
+        # its own take's, and the last settle's (rows a notification named, or not).
+        self._found_in = set(taken) - known
         if not taken:
             return False
         self._found_rows = True

@@ -66,10 +66,10 @@ class Wakeup:
         """The round found rows. If it was a poll (a full round no notification named), rows
         come without notifications: poll again after ``poll_min_ms``.
 
-        ``found`` (while listening): the partitions where the round's own take found rows
-        no earlier round had left (relay/daemon.py). Then a full round decides by them: if a
-        notification named each of them (before the round or while it ran: a commit's
-        ``NOTIFY`` lands a little after the commit), the poll
+        ``found`` (while listening): the partitions where the round had rows no earlier
+        round said were coming (its take's, its last settle's; relay/daemon.py). Then a
+        full round decides by them: if a notification named each of them (before the round
+        or while it ran: a commit's ``NOTIFY`` lands a little after the commit), the poll
         found nothing the notifications would not have brought, and the interval doubles as
         after an empty poll, even while the relay stays busy; else (rows written without
         ``NOTIFY``) the next poll comes after ``poll_min_ms``. Without this, a steady
