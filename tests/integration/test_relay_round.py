@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -160,21 +161,30 @@ def test_a_partition_fenced_out_after_its_append_is_left_to_its_new_owner_by_id(
     assert_all_marked(engine, redis_client, key_prefix)
 
 
-def committing_during_the_first_append(
-    engine: Engine, monkeypatch: pytest.MonkeyPatch, count: int
+def during_the_first_append(
+    monkeypatch: pytest.MonkeyPatch, commit: Callable[[], list[str]]
 ) -> list[str]:
-    """Make the next append commit ``count`` more events first (after the round's take, before
-    its settle); the returned list fills with their ids."""
+    """Make the next append run ``commit`` first (after the round's take, before its
+    settle); the returned list fills with the event ids it committed. Later appends are
+    left alone."""
     real = append.append_many
     ids: list[str] = []
 
     def commit_then_append(*args: Any, **kwargs: Any) -> Any:
         if not ids:
-            ids.extend(enqueue_events(engine, count, aggregates=8, first=1000))
+            ids.extend(commit())
         return real(*args, **kwargs)
 
     monkeypatch.setattr(append, "append_many", commit_then_append)
     return ids
+
+
+def committing_during_the_first_append(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch, count: int
+) -> list[str]:
+    """:func:`during_the_first_append` committing ``count`` events over 8 aggregates."""
+    return during_the_first_append(
+        monkeypatch, lambda: enqueue_events(engine, count, aggregates=8, first=1000))
 
 
 
@@ -535,14 +545,14 @@ def test_on_a_cluster_a_call_whose_connection_is_lost_makes_only_its_batch_unkno
     assert redis_client.xlen(lost_key) == 0
 
 
-def test_a_settle_also_takes_the_partitions_notified_during_its_round(
-    engine: Engine, redis_client: redis.Redis, key_prefix: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A round settles partition 0 while new rows were committed and notified in partition 1:
-    its settle takes them too (on PostgreSQL pipelined, the take's fence sent in partition
-    order among the settle's fenced marks), so the next round appends them with no take
-    transaction of its own, under the ids recorded then, once each."""
-    relay = relay_holding_everything(engine, redis_client, key_prefix)
+def a_round_taking_a_notified_partition(
+    engine: Engine, client: redis.Redis, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> tuple[Relay, list[str], list[str], list[str]]:
+    """A listening relay holding every partition runs a round of partition 0 during whose
+    append 4 events are committed and notified in partition 1; its settle takes those
+    (recorded on the lease row, not appended). Returns the relay, the statements the round
+    sent pipelined, and the ids of partition 0's and partition 1's events."""
+    relay = relay_holding_everything(engine, client, prefix)
     first = enqueue_in(engine, 0, 2)
     relay.run(until_idle=True)  # the stream is registered: later settles are pipelined
     relay.wakeup.listening = True  # notifications name partitions (a LISTEN connection)
@@ -551,16 +561,13 @@ def test_a_settle_also_takes_the_partitions_notified_during_its_round(
     relay.wakeup.targets()
     first += enqueue_in(engine, 0, 3, aggregate=1)
     relay.wakeup.notify(0)
-    real = append.append_many
-    later: list[str] = []
 
-    def commit_and_notify_then_append(*args: Any, **kwargs: Any) -> Any:
-        if not later:
-            later.extend(enqueue_in(engine, 1, 4))
-            relay.wakeup.notify(1)  # what its NOTIFY does, through the listener thread
-        return real(*args, **kwargs)
+    def commit_and_notify() -> list[str]:
+        ids = enqueue_in(engine, 1, 4)
+        relay.wakeup.notify(1)  # what its NOTIFY does, through the listener thread
+        return ids
 
-    monkeypatch.setattr(append, "append_many", commit_and_notify_then_append)
+    later = during_the_first_append(monkeypatch, commit_and_notify)
     sent = pipelined_sends(engine, monkeypatch)
     delivered = relay.stats.delivered
 
@@ -568,32 +575,65 @@ def test_a_settle_also_takes_the_partitions_notified_during_its_round(
 
     assert relay.stats.delivered == delivered + 3 and len(later) == 4
     assert set(relay._pretaken) == {1}
+    assert {p for p, _seq in recorded_ids(engine)} == {1}
+    return relay, sent, first, later
+
+
+def test_a_settle_also_takes_the_partitions_notified_during_its_round(
+    engine: Engine, redis_client: redis.Redis, key_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """:func:`a_round_taking_a_notified_partition`: on PostgreSQL the settle's take of
+    partition 1 is pipelined, its fence sent in partition order among the settle's fenced
+    marks; the next round appends partition 1's rows with no take transaction of its own,
+    under the ids recorded then, once each."""
+    relay, sent, first, later = a_round_taking_a_notified_partition(
+        engine, redis_client, key_prefix, monkeypatch)
     if pipelined_on(engine):
         settle = [x.split()[0] for x in sent[next(i for i, x in enumerate(sent)
                                                   if x.startswith("WITH fence")):]]
         # 0's fenced mark, then 1's fence (partition order); both first reads; both records
         assert settle == ["WITH", "UPDATE", "SELECT", "SELECT", "UPDATE", "UPDATE"]
     taken = recorded_ids(engine)
-    assert {p for p, _seq in taken} == {1}
-    monkeypatch.undo()
     transactions = fenced_transactions(engine, monkeypatch)
+    delivered = relay.stats.delivered
 
     relay.run_once()
 
     fenced = [t for t in transactions if any(is_fence(s) for s in t)]
     assert len(fenced) == 1  # the settle: no take transaction
-    assert relay.stats.delivered == delivered + 7
+    assert relay.stats.delivered == delivered + 4
     assert_sent_under(engine, taken, later)
     assert_sent_once(engine, redis_client, key_prefix, first + later)
+
+
+def test_what_a_settle_took_of_a_notified_partition_survives_its_relay_pausing_past_its_lease(
+    engine: Engine, redis_client: redis.Redis, key_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The relay that took partition 1's rows in its settle stalls past its lease (as a
+    SIGSTOP would); another relay takes the partition over and sends the recorded batch under
+    its recorded ids. Woken, the first relay still believes it holds the partition and tries
+    to append what it took: nothing is sent twice, and it finds out it lost the lease."""
+    relay, _sent, first, later = a_round_taking_a_notified_partition(
+        engine, redis_client, key_prefix, monkeypatch)
+    taken = recorded_ids(engine)
+    expire_lease(engine, 1)
+    Relay(relay_settings(key_prefix, node_id="b"), engine, redis_client).run(until_idle=True)
+    assert_sent_under(engine, taken, later)
+    assert_sent_once(engine, redis_client, key_prefix, first + later)
+
+    relay.run_once()  # woken: no lease check is due, its round starts from what it took
+
+    assert_sent_once(engine, redis_client, key_prefix, first + later)
+    assert 1 not in relay.leases and not relay._pretaken
 
 
 def test_a_settle_takes_nothing_of_a_partition_notified_but_idle_lost_or_retrying(
     engine: Engine, redis_client: redis.Redis, key_prefix: str
 ) -> None:
-    """``also`` in a pipelined settle: a partition with a recorded batch to retry is left to
-    its own take (its record unchanged), one taken over by another relay is neither taken
-    nor reported lost (its next take finds out), an idle one takes nothing; the settle of the
-    others commits."""
+    """``also`` in a settle (pipelined on PostgreSQL, one statement at a time on SQLite): a
+    partition with a recorded batch to retry is left to its own take (its record
+    unchanged), one taken over by another relay is neither taken nor reported lost (its next
+    take finds out), an idle one takes nothing; the settle of the others commits."""
     settled, retrying, stolen, idle = 0, 1, 2, 3
     held = acquire_leases(engine, "a", PARTITIONS, TTL)
     enqueue_in(engine, settled, 2)
@@ -628,11 +668,9 @@ def test_rows_no_notification_named_keep_the_poll_short_though_a_settle_took_the
     doubled and the other partitions' rows waited up to ``poll_max_ms`` (p99 at 1,000 ev/s
     with ``notify=False`` producers went from 20 to 39 ms)."""
     relay = relay_holding_everything(engine, redis_client, key_prefix)
-    relay.wakeup.listening = True
+    relay.wakeup.listening = True  # its first round is a full one, with nothing named
     first = enqueue_in(engine, 0, 2)
-    later = committing_during_the_first_append_in(engine, monkeypatch, 0)
-    relay.wakeup.targets()  # this round is a full one (its first), with nothing named
-    relay.wakeup.visit_everything()
+    later = during_the_first_append(monkeypatch, lambda: enqueue_in(engine, 0, 3, aggregate=1))
     assert relay.run_once() and set(relay._pretaken) == {0} and later
     relay.wakeup.worked(relay._found_in)
     relay.wakeup.interval = 0.4  # as if polls had backed off
@@ -644,20 +682,3 @@ def test_rows_no_notification_named_keep_the_poll_short_though_a_settle_took_the
     relay.wakeup.worked(relay._found_in)
     assert relay.wakeup.interval == pytest.approx(relay.wakeup.min_s)
     assert_sent_once(engine, redis_client, key_prefix, first + later)
-
-
-def committing_during_the_first_append_in(
-    engine: Engine, monkeypatch: pytest.MonkeyPatch, partition: int
-) -> list[str]:
-    """:func:`committing_during_the_first_append` of 3 events of one aggregate of
-    ``partition``, without any notification."""
-    real = append.append_many
-    ids: list[str] = []
-
-    def commit_then_append(*args: Any, **kwargs: Any) -> Any:
-        if not ids:
-            ids.extend(enqueue_in(engine, partition, 3, aggregate=1))
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(append, "append_many", commit_then_append)
-    return ids

@@ -86,7 +86,7 @@ def test_notifications_do_not_hold_off_the_poll_of_the_other_partitions(
     assert w.interval == pytest.approx(0.010)
     clock[0] += 0.004
     assert w.targets() == {0}
-    w.worked()  # rows a notification named do not shorten the poll interval
+    w.worked({0})  # rows a notification named do not shorten the poll interval
     notified_wait(w, 0)
     clock[0] += 0.0061  # 10 ms after the last full round
     assert w.targets() is None  # rows written without NOTIFY are taken within the interval
@@ -112,7 +112,7 @@ def test_a_poll_that_found_rows_polls_again_after_poll_min(clock: list[float]) -
     assert w.interval == pytest.approx(0.160)
     clock[0] += w.interval + 1e-6
     assert w.targets() is None  # a poll no notification named ...
-    w.worked()  # ... found rows: they come without notifications
+    w.worked({1})  # ... found rows: they come without notifications
     assert w.interval == pytest.approx(0.005)
     notified_wait(w, 2)
     clock[0] += 0.0051
@@ -123,7 +123,7 @@ def test_a_wait_times_out_when_the_poll_is_due() -> None:
     w = Wakeup(1, 1)
     w.listening = True
     w.targets()
-    w.worked()
+    w.worked({0})
     w.wait()  # nothing notified: times out 1 ms after the round started
     assert not w.event.is_set()
     assert w.targets() is None

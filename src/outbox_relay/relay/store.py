@@ -454,14 +454,15 @@ def settle_batches(
     take, next round, sees to it)."""
     lost: list[int] = []
     taken: dict[int, list[OutboxRow]] = {}
+    settling = {o.partition: o for o in outcomes}
+    extra = {p: e for p, e in (also or {}).items()
+             if p not in settling} if batch_size > 0 else {}
     with translate_errors(), engine.begin() as conn:
         raw = _pipelinable(conn, outcomes)
         if raw is not None:
             return _settle_pipelined(conn, raw, outcomes, node_id, ttl_ms, take=take,
                                      batch_size=batch_size, waiting=waiting or {},
-                                     also=also or {})
-        settling = {o.partition: o for o in outcomes}
-        extra = {p: e for p, e in (also or {}).items() if p not in settling}
+                                     also=extra)
         for p in sorted([*settling, *extra]):  # lease rows locked in partition order
             wait_for = (waiting or {}).get(p, frozenset())
             if p in extra:
@@ -485,8 +486,6 @@ def _take_also(
     """A settle's take of a partition it does not settle (``also`` of
     :func:`settle_batches`): :func:`_take`'s fence and fresh take, and nothing when the
     partition is idle, fenced out, or has a recorded batch to retry (its own take does)."""
-    if batch_size <= 0:
-        return []
     found = leases.fence_statement(conn.dialect, True).execute(
         conn, leases.lease_params(partition, node_id, epoch, ttl_ms)).first()
     if found is None or load_batches(found[1]):  # idle or fenced out (not told apart)
@@ -511,7 +510,7 @@ def _pipelinable(conn: Connection, outcomes: list[Settlement]) -> Any:
 def _settle_pipelined(
     conn: Connection, raw: Any, outcomes: list[Settlement], node_id: str, ttl_ms: int, *,
     take: frozenset[int], batch_size: int, waiting: dict[int, frozenset[str]],
-    also: dict[int, int] | None = None,
+    also: dict[int, int],
 ) -> tuple[list[int], dict[int, list[OutboxRow]]]:
     """:func:`settle_batches` of clean batches (:func:`_pipelinable`) with three waits on
     the database whatever the number of partitions, instead of three per partition.
@@ -532,16 +531,15 @@ def _settle_pipelined(
     commit. A database error raises here as SQLAlchemy's (the caller's
     :func:`translate_errors` judges it), and the transaction rolls back whole.
 
-    The partitions of ``also`` are fenced by :func:`take_batches`'s fence (idle skip), sent
-    among the fenced marks in partition order (the lease rows are still locked in that
-    order), and taken fresh with the settled ones."""
+    The partitions of ``also`` (none of them settled here) are fenced by
+    :func:`take_batches`'s fence (idle skip), sent among the fenced marks in partition order
+    (the lease rows are still locked in that order), and taken fresh with the settled ones."""
     lost: list[int] = []
     taken: dict[int, list[OutboxRow]] = {}
     dialect = conn.dialect
     fenced_mark = _fenced_mark(dialect)
+    take_fence = leases.fence_statement(dialect, True)
     ordered = sorted(outcomes, key=lambda o: o.partition)
-    also = {p: e for p, e in (also or {}).items()
-            if p not in {o.partition for o in ordered}} if batch_size > 0 else {}
     steps: list[tuple[int, Settlement | None]] = sorted(
         [(o.partition, o) for o in ordered] + [(p, None) for p in also],
         key=lambda step: step[0])
@@ -550,7 +548,7 @@ def _settle_pipelined(
             cursors = []
             for p, o in steps:
                 if o is None:
-                    cursors.append(_send(raw, leases.fence_statement(dialect, True),
+                    cursors.append(_send(raw, take_fence,
                                          leases.lease_params(p, node_id, also[p], ttl_ms)))
                     continue
                 params = leases.lease_params(o.partition, node_id, o.epoch, ttl_ms)
