@@ -107,7 +107,8 @@ def _outbox_fields(
         select(outbox.c.stream, outbox.c.partition, outbox.c.entry_id, outbox.c.event_id,
                outbox.c.type, outbox.c.source, outbox.c.aggregate_type, outbox.c.aggregate_id,
                outbox.c.revision, outbox.c.payload, outbox.c.created_at_ms)
-        .where(tuple_(outbox.c.stream, outbox.c.partition, outbox.c.entry_id).in_(where))
+        .where(tuple_(outbox.c.stream, outbox.c.partition, outbox.c.entry_id).in_(where),
+               outbox.c.entry_id.is_not(None))  # the stream-entry index's predicate (0009)
     ).all()
     found: dict[tuple[str, str], tuple[str, RawFields]] = {}
     for r in rows:

@@ -43,6 +43,7 @@ def delivered_counts(engine: Engine, partitions: list[int]) -> dict[tuple[str, i
             outbox.c.stream == bindparam("b_stream"),
             outbox.c.partition == bindparam("b_partition"),
             outbox.c.entry_id >= bindparam("b_floor"),
+            outbox.c.entry_id.is_not(None),  # the index's own predicate (migration 0009)
             outbox.c.delivered_at_ms.is_not(None),
         )
     )
@@ -67,6 +68,7 @@ def newest_delivered_id(engine: Engine, stream: str, partition: int) -> str | No
     delivered = (
         outbox.c.stream == stream,
         outbox.c.partition == partition,
+        outbox.c.entry_id.is_not(None),  # the stream-entry index's predicate (migration 0009)
         outbox.c.delivered_at_ms.is_not(None),
     )
     with translate_errors(), engine.connect() as conn:
@@ -105,6 +107,7 @@ def delivered_rows(
                 outbox.c.partition == partition,
                 outbox.c.delivered_at_ms.is_not(None),
                 outbox.c.entry_id >= f"{after_ms:013d}-",
+                outbox.c.entry_id.is_not(None),  # the index's predicate (migration 0009)
             )
         ).all()
     found = [_to_row(r, r.entry_id) for r in rows
@@ -177,6 +180,7 @@ def accounted_ids(engine: Engine, stream: str, partition: int, ids: Sequence[str
             found |= set(conn.execute(
                 select(outbox.c.entry_id).where(
                     outbox.c.stream == stream, outbox.c.partition == partition,
+                    outbox.c.entry_id.is_not(None),  # the index's predicate (0009)
                     outbox.c.entry_id.in_(list(ids[start : start + 500])))).scalars())
     return found
 

@@ -58,7 +58,16 @@ outbox = Table(
         postgresql_where=text("delivered_at_ms IS NULL"),
         sqlite_where=text("delivered_at_ms IS NULL"),
     ),
-    Index("ix_outbox_events_stream_entry", "stream", "partition", "entry_id"),
+    # Partial: a row gets its entry id when it is marked delivered; an undelivered row has
+    # none, and every lookup by entry id names one (migration 0009 says why).
+    Index(
+        "ix_outbox_events_stream_entry",
+        "stream",
+        "partition",
+        "entry_id",
+        postgresql_where=text("entry_id IS NOT NULL"),
+        sqlite_where=text("entry_id IS NOT NULL"),
+    ),
     Index(
         "ix_outbox_events_delivered",
         "delivered_at_ms",
