@@ -77,12 +77,19 @@ def newest_delivered_id(engine: Engine, stream: str, partition: int) -> str | No
         ).scalar_one_or_none()
         if top_text is None:
             return None
+        # Text order is id order across ms (a fixed-width ms) but not within one ("…-9" above
+        # "…-10"): read every id of the top's ms and take the greatest. The range is bounded
+        # by the next ms, not by "<ms>.": collations that ignore punctuation (glibc's
+        # en_US.UTF-8, a common default) compare "<ms>-10" with "<ms>." as "<ms>10" with
+        # "<ms>", and that bound left out every id of the ms (tests/integration/
+        # test_entry_id_collation.py). The prefix test keeps the read exact in any collation.
         ms = top_text.partition("-")[0]
-        same_ms = conn.execute(
+        same = f"{ms}-"
+        upper = f"{int(ms) + 1:0{len(ms)}d}-"
+        same_ms = [entry_id for entry_id in conn.execute(
             select(outbox.c.entry_id).where(
-                *delivered, outbox.c.entry_id >= f"{ms}-", outbox.c.entry_id < f"{ms}."
-            )
-        ).scalars()
+                *delivered, outbox.c.entry_id >= same, outbox.c.entry_id < upper)
+        ).scalars() if entry_id.startswith(same)]
         newest: str = max(same_ms, key=entry_ids.parse, default=top_text)
         return newest
 
