@@ -35,8 +35,10 @@ from sqlalchemy import (
     Row,
     String,
     Table,
+    create_engine,
     func,
     select,
+    text,
     update,
 )
 
@@ -560,3 +562,42 @@ def let_die(engine: Engine, node_id: str) -> None:
                      .values(expires_at_ms=0))
         conn.execute(update(relay_leases).where(relay_leases.c.owner == node_id)
                      .values(expires_at_ms=0))
+
+
+SHIFTED = ("TEMPLATE template0 LOCALE_PROVIDER icu ICU_LOCALE 'en-u-ka-shifted' "
+           "LOCALE 'C.UTF-8'")
+"""``CREATE DATABASE`` options for a default collation that ignores punctuation first, as
+glibc's ``en_US.UTF-8`` does (ICU's rule; PostgreSQL 15 can make it a database's default)."""
+
+
+@contextmanager
+def private_database(
+    admin_url: str, kind: str, *, options: str = "", settings: dict[str, str] | None = None,
+    needs_icu: bool = False,
+) -> Iterator[str]:
+    """A PostgreSQL database of its own on the test server (``CREATE DATABASE <name>
+    <options>``, then ``ALTER DATABASE … SET`` each of ``settings``), its URL; dropped
+    afterwards, also when its setup failed. Skips the test when ``needs_icu`` and the server
+    cannot make an ICU collation a database's default (before 15, or built without ICU)."""
+    import pytest
+
+    admin = create_engine(admin_url, isolation_level="AUTOCOMMIT")
+    name = f"t_{kind}_{os.urandom(6).hex()}"
+    try:
+        with admin.connect() as conn:
+            if needs_icu and (
+                int(conn.execute(text("SHOW server_version_num")).scalar_one()) < 150000
+                or not conn.execute(text(
+                    "SELECT count(*) FROM pg_collation WHERE collprovider = 'i'")).scalar_one()):
+                pytest.skip("an ICU default collation needs PostgreSQL 15 built with ICU")
+            conn.execute(text(f"CREATE DATABASE {name} {options}"))
+        try:
+            with admin.connect() as conn:
+                for setting, value in (settings or {}).items():
+                    conn.execute(text(f"ALTER DATABASE {name} SET {setting} = '{value}'"))
+            yield admin.url.set(database=name).render_as_string(hide_password=False)
+        finally:
+            with admin.connect() as conn:
+                conn.execute(text(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
+    finally:
+        admin.dispose()

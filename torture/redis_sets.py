@@ -104,6 +104,11 @@ def free_port(taken: set[int], *, bus: bool = False) -> int:
     raise TopologyError("found no free loopback port")
 
 
+def _quoted(path: Path) -> str:
+    """A path as one argument of a Redis config file (a temp folder may hold a space)."""
+    return '"' + str(path).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
 def _binary(name: str) -> str:
     path = shutil.which(name)
     if path is None:
@@ -618,7 +623,7 @@ class LocalSentinelSet(_Topology):
                 folder = self.workdir / f"sentinel{i}"
                 folder.mkdir(parents=True, exist_ok=True)
                 (folder / "sentinel.conf").write_text("\n".join([
-                    f"port {port}", f"bind {HOST}", f"dir {folder}",
+                    f"port {port}", f"bind {HOST}", f"dir {_quoted(folder)}",
                     f"sentinel monitor {self.service} {HOST} {self.master_port} 2",
                     f"sentinel down-after-milliseconds {self.service} {self.down_after_ms}",
                     f"sentinel failover-timeout {self.service} {self.failover_timeout_ms}",

@@ -8,16 +8,16 @@ rule; PostgreSQL 15 can make it a database's default), created and dropped by th
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterator
 
 import pytest
-from sqlalchemy import Engine, create_engine, insert, text
+from sqlalchemy import Engine, insert, text
 
 from outbox_relay.relay import repair_store
 from outbox_relay.shared import db
 from outbox_relay.shared.schema import outbox, stream_trims
 from tests.conftest import PG_ADMIN_URL
+from tests.helpers import SHIFTED, private_database
 
 pytestmark = pytest.mark.postgresql
 
@@ -27,27 +27,15 @@ MS = "1796104715540"
 @pytest.fixture
 def shifted_engine() -> Iterator[Engine]:
     """A migrated database whose default collation ignores punctuation at the first level."""
-    admin = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
-    name = f"t_coll_{uuid.uuid4().hex[:12]}"
-    with admin.connect() as conn:
-        if not conn.execute(text(
-                "SELECT count(*) FROM pg_collation WHERE collprovider = 'i'")).scalar_one():
-            admin.dispose()
-            pytest.skip("this PostgreSQL server was built without ICU")
-        conn.execute(text(
-            f"CREATE DATABASE {name} TEMPLATE template0 LOCALE_PROVIDER icu "
-            "ICU_LOCALE 'en-u-ka-shifted' LOCALE 'C.UTF-8'"))
-    engine = db.make_engine(admin.url.set(database=name).render_as_string(hide_password=False))
-    try:
-        with engine.connect() as conn:  # the rule the tests below depend on holds here
-            assert conn.execute(text(f"SELECT '{MS}-10' < '{MS}.'")).scalar_one() is False
-        db.upgrade(engine)
-        yield engine
-    finally:
-        engine.dispose()
-        with admin.connect() as conn:
-            conn.execute(text(f"DROP DATABASE {name} WITH (FORCE)"))
-        admin.dispose()
+    with private_database(PG_ADMIN_URL, "coll", options=SHIFTED, needs_icu=True) as url:
+        engine = db.make_engine(url)
+        try:
+            with engine.connect() as conn:  # the rule the tests below depend on holds here
+                assert conn.execute(text(f"SELECT '{MS}-10' < '{MS}.'")).scalar_one() is False
+            db.upgrade(engine)
+            yield engine
+        finally:
+            engine.dispose()
 
 
 def _deliver(engine: Engine, ids: list[str]) -> None:

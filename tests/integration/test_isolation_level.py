@@ -9,7 +9,6 @@ against such a server: 7 failures). :func:`shared.db.make_engine` and
 from __future__ import annotations
 
 import asyncio
-import uuid
 from collections.abc import Iterator
 
 import pytest
@@ -17,6 +16,7 @@ from sqlalchemy import create_engine, text
 
 from outbox_relay.shared import db
 from tests.conftest import PG_ADMIN_URL
+from tests.helpers import private_database
 
 pytestmark = pytest.mark.postgresql
 
@@ -24,18 +24,9 @@ pytestmark = pytest.mark.postgresql
 @pytest.fixture
 def serializable_url() -> Iterator[str]:
     """A database whose default isolation is ``serializable``, created and dropped here."""
-    admin = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
-    name = f"t_iso_{uuid.uuid4().hex[:12]}"
-    with admin.connect() as conn:
-        conn.execute(text(f"CREATE DATABASE {name}"))
-        conn.execute(text(f"ALTER DATABASE {name} SET default_transaction_isolation "
-                          "= 'serializable'"))
-    try:
-        yield admin.url.set(database=name).render_as_string(hide_password=False)
-    finally:
-        with admin.connect() as conn:
-            conn.execute(text(f"DROP DATABASE {name} WITH (FORCE)"))
-        admin.dispose()
+    with private_database(PG_ADMIN_URL, "iso",
+                          settings={"default_transaction_isolation": "serializable"}) as url:
+        yield url
 
 
 SHOW = text("SHOW transaction_isolation")

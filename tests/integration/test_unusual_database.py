@@ -9,17 +9,17 @@ new statement that depends on either shows up here."""
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterator
 
 import pytest
-from sqlalchemy import Connection, create_engine, select, text
+from sqlalchemy import Connection, select, text
 
 from outbox_relay import Event, Handlers
 from outbox_relay.relay import entry_ids, repair_store
 from outbox_relay.shared.schema import outbox
 from outbox_relay.testing import Outbox
 from tests.conftest import PG_ADMIN_URL, REDIS_URL
+from tests.helpers import SHIFTED, private_database
 
 pytestmark = pytest.mark.postgresql
 
@@ -31,23 +31,9 @@ REVISIONS = 40
 def unusual_url() -> Iterator[str]:
     """A database with a punctuation-ignoring default collation and serializable default
     isolation, created and dropped here."""
-    admin = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
-    name = f"t_odd_{uuid.uuid4().hex[:12]}"
-    with admin.connect() as conn:
-        if not conn.execute(text(
-                "SELECT count(*) FROM pg_collation WHERE collprovider = 'i'")).scalar_one():
-            admin.dispose()
-            pytest.skip("this PostgreSQL server was built without ICU")
-        conn.execute(text(f"CREATE DATABASE {name} TEMPLATE template0 LOCALE_PROVIDER icu "
-                          "ICU_LOCALE 'en-u-ka-shifted' LOCALE 'C.UTF-8'"))
-        conn.execute(text(f"ALTER DATABASE {name} SET default_transaction_isolation "
-                          "= 'serializable'"))
-    try:
-        yield admin.url.set(database=name).render_as_string(hide_password=False)
-    finally:
-        with admin.connect() as conn:
-            conn.execute(text(f"DROP DATABASE {name} WITH (FORCE)"))
-        admin.dispose()
+    with private_database(PG_ADMIN_URL, "odd", options=SHIFTED, needs_icu=True,
+                          settings={"default_transaction_isolation": "serializable"}) as url:
+        yield url
 
 
 handlers = Handlers()

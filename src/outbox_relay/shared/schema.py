@@ -58,8 +58,8 @@ outbox = Table(
         postgresql_where=text("delivered_at_ms IS NULL"),
         sqlite_where=text("delivered_at_ms IS NULL"),
     ),
-    # Partial: a row gets its entry id when it is marked delivered; an undelivered row has
-    # none, and every lookup by entry id names one (migration 0009 says why).
+    # Partial: only rows with an entry id (given when the relay marks a row delivered); every
+    # lookup by entry id names one (migration 0009 says why).
     Index(
         "ix_outbox_events_stream_entry",
         "stream",
