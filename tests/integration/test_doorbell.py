@@ -82,7 +82,10 @@ def test_a_waiting_read_wakes_on_the_ring(redis_client: redis.Redis, key_prefix:
 
     def counted(timeout_s: float) -> bool:
         waiting.set()  # the read found nothing and waits: now the relay appends
-        rang = wait(timeout_s)
+        # Only the ring can end this wait in time: with the read's own first pause (a few
+        # ms) a slow machine's append came after it, and the next poll found the entry (a
+        # CI run saw rings == [False]). A ring sent before the wait began is still read.
+        rang = wait(max(timeout_s, 10.0))
         rings.append(rang)
         return rang
 
