@@ -104,7 +104,7 @@ def free_port(taken: set[int], *, bus: bool = False) -> int:
     raise TopologyError("found no free loopback port")
 
 
-def _quoted(path: Path) -> str:
+def conf_quoted(path: Path) -> str:
     """A path as one argument of a Redis config file (a temp folder may hold a space)."""
     return '"' + str(path).replace("\\", "\\\\").replace('"', '\\"') + '"'
 
@@ -623,7 +623,7 @@ class LocalSentinelSet(_Topology):
                 folder = self.workdir / f"sentinel{i}"
                 folder.mkdir(parents=True, exist_ok=True)
                 (folder / "sentinel.conf").write_text("\n".join([
-                    f"port {port}", f"bind {HOST}", f"dir {_quoted(folder)}",
+                    f"port {port}", f"bind {HOST}", f"dir {conf_quoted(folder)}",
                     f"sentinel monitor {self.service} {HOST} {self.master_port} 2",
                     f"sentinel down-after-milliseconds {self.service} {self.down_after_ms}",
                     f"sentinel failover-timeout {self.service} {self.failover_timeout_ms}",

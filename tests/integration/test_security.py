@@ -42,6 +42,7 @@ from outbox_relay.shared.schema import inbox
 from outbox_relay.shared.settings import ConsumerSettings, RelaySettings
 from tests.conftest import PG_ADMIN_URL, pg_schema_url
 from tests.helpers import ROOT, documented_acl, free_port, make_certificates, rule_words
+from torture.redis_sets import conf_quoted
 
 DEMO_APP = "outbox_relay.cli.demo_app:handlers"
 
@@ -117,20 +118,15 @@ def _start(folder: Path, certs: dict[str, Path], tls: bool) -> PrivateRedis:
     raise RuntimeError("no free port for a private redis-server after 5 attempts")
 
 
-def _quoted(path: Path) -> str:
-    """A path as one argument of redis.conf (a temp folder may hold a space)."""
-    return '"' + str(path).replace("\\", "\\\\").replace('"', '\\"') + '"'
-
-
 def _start_once(folder: Path, certs: dict[str, Path], tls: bool) -> PrivateRedis:
     port, tls_port = free_port(), free_port() if tls else None
     lines = [f"port {port}", "bind 127.0.0.1", 'save ""', "appendonly no",
-             f"dir {_quoted(folder)}",
+             f"dir {conf_quoted(folder)}",
              "user default off", f"user admin on >{ADMIN_PW} ~* &* +@all"]
     if tls:
-        lines += [f"tls-port {tls_port}", f"tls-cert-file {_quoted(certs['server.pem'])}",
-                  f"tls-key-file {_quoted(certs['server.key'])}",
-                  f"tls-ca-cert-file {_quoted(certs['ca.pem'])}",
+        lines += [f"tls-port {tls_port}", f"tls-cert-file {conf_quoted(certs['server.pem'])}",
+                  f"tls-key-file {conf_quoted(certs['server.key'])}",
+                  f"tls-ca-cert-file {conf_quoted(certs['ca.pem'])}",
                   "tls-auth-clients optional"]
     (folder / "redis.conf").write_text("\n".join(lines) + "\n")
     with (folder / "redis.log").open("wb") as log:

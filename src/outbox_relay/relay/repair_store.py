@@ -24,6 +24,11 @@ from outbox_relay.relay.stream_book import trim_floor
 from outbox_relay.shared.db_errors import translate_errors
 from outbox_relay.shared.schema import outbox, relay_leases, stream_trims
 
+_HAS_ID = outbox.c.entry_id.is_not(None)
+"""Named in every lookup by entry id below: ``ix_outbox_events_stream_entry`` is partial on it
+(migration 0009), and a planner uses a partial index only where the query implies its
+predicate (tests/integration/test_stream_entry_index.py checks each lookup's plan)."""
+
 
 def delivered_counts(engine: Engine, partitions: list[int]) -> dict[tuple[str, int], int]:
     """``{(stream, partition): delivered rows at or above its trim floor}`` for the known
@@ -43,7 +48,7 @@ def delivered_counts(engine: Engine, partitions: list[int]) -> dict[tuple[str, i
             outbox.c.stream == bindparam("b_stream"),
             outbox.c.partition == bindparam("b_partition"),
             outbox.c.entry_id >= bindparam("b_floor"),
-            outbox.c.entry_id.is_not(None),  # the index's own predicate (migration 0009)
+            _HAS_ID,
             outbox.c.delivered_at_ms.is_not(None),
         )
     )
@@ -68,7 +73,7 @@ def newest_delivered_id(engine: Engine, stream: str, partition: int) -> str | No
     delivered = (
         outbox.c.stream == stream,
         outbox.c.partition == partition,
-        outbox.c.entry_id.is_not(None),  # the stream-entry index's predicate (migration 0009)
+        _HAS_ID,
         outbox.c.delivered_at_ms.is_not(None),
     )
     with translate_errors(), engine.connect() as conn:
@@ -114,7 +119,7 @@ def delivered_rows(
                 outbox.c.partition == partition,
                 outbox.c.delivered_at_ms.is_not(None),
                 outbox.c.entry_id >= f"{after_ms:013d}-",
-                outbox.c.entry_id.is_not(None),  # the index's predicate (migration 0009)
+                _HAS_ID,
             )
         ).all()
     found = [_to_row(r, r.entry_id) for r in rows
@@ -169,7 +174,7 @@ def reset_unreachable_last(
         kept = [b for b in batches if b.ms <= ID_PART_MAX]  # the others never landed
         delivered = conn.execute(select(outbox.c.entry_id).where(
             outbox.c.partition.between(partition, partition),
-            outbox.c.delivered_at_ms.is_not(None), outbox.c.entry_id.is_not(None))).scalars()
+            outbox.c.delivered_at_ms.is_not(None), _HAS_ID)).scalars()
         ids = [*delivered, *(entry_ids.format_id(b.ms, b.last_seq) for b in kept)]
         new = max(ids, key=entry_ids.parse, default=entry_ids.ZERO)
         if entry_ids.parse(new)[0] >= ID_PART_MAX:  # entries of ours up there: nothing to do
@@ -187,7 +192,7 @@ def accounted_ids(engine: Engine, stream: str, partition: int, ids: Sequence[str
             found |= set(conn.execute(
                 select(outbox.c.entry_id).where(
                     outbox.c.stream == stream, outbox.c.partition == partition,
-                    outbox.c.entry_id.is_not(None),  # the index's predicate (0009)
+                    _HAS_ID,
                     outbox.c.entry_id.in_(list(ids[start : start + 500])))).scalars())
     return found
 
