@@ -182,3 +182,33 @@ def test_the_plan_promises_are_violations_when_unmet() -> None:
     claimed = Tally()
     claimed.faults[GHOST_CLAIM] = 1
     assert harness.plan_violations(haunted, claimed, 0, 1) == []
+
+
+def test_a_broker_fault_called_off_and_retried_waits_for_the_pauses_to_end(
+    tmp_path: Path,
+) -> None:
+    """A failover called off (no burst marked in time) is retried every second, and each try
+    would wake the paused processes first: on a loaded machine every pause was cut short and
+    the run never paused past the lease (``never_paused_past_lease`` in CI). The due fault
+    waits for the pauses to end on their own instead, and no new pause starts meanwhile."""
+    child = sleeper(tmp_path)
+    seen: list[bool] = []
+
+    class CalledOff:
+        faults = ["redis.failover"]
+
+        def inflict(self, fault: str, _rng: Any, _tend: Any) -> bool:
+            seen.append(stopped(child))
+            return False  # called off: tried again a second later
+
+    # The first pause at 0.1 s (0.5 s long, past the 0.2 s lease), the fault due at 0.2 s.
+    p = plan(pause_every_s=0.2, pause_long_s=(0.5, 0.5), pause_short_s=(0.5, 0.5),
+             broker_every_s=0.4, random_kill_every_s=1e9, max_s=2.5)
+    c = Chaos(p, [child], cast(Any, CalledOff()), seed=1, terminate_backends=None)
+    try:
+        tally = c.run()
+    finally:
+        child.stop()
+    assert len(seen) >= 2 and not any(seen)  # tried, retried, never with a process stopped
+    assert tally.pauses_past_lease >= 1
+    assert tally.pauses_short == 0  # every pause was planned past the lease and lasted it
