@@ -95,6 +95,9 @@ def add_ratios(r: dict[str, Any], kind: str) -> None:
         batch = name.split(" ")[0].removeprefix("b")
         if batch in base:
             s["ratio"] = s["median"] / base[batch]["median"]
+            if s.get("alternated_with_baseline"):  # each run to the loop's run just before it
+                s["paired_ratios"] = [round(a / b, 3) for a, b in zip(
+                    s["runs"], base[batch]["runs"], strict=True)]
     first = None
     for s in r.get("consumer", {}).values():
         first = first or s["median"]
@@ -283,7 +286,7 @@ def _database_lines(r: dict[str, Any]) -> list[str]:
     for name, s in r.get("relay", {}).items():
         lines.append(f"  relay {_relay_name(name):>24}: {fmt(s, ' ev/s')}  "
                      f"x{s.get('ratio', math.nan):.2f} strong baseline{_ratio_passes(s)}"
-                     f"{_cpu_text(s)}")
+                     f"{_paired_text(s)}{_cpu_text(s)}")
     for name, s in r.get("consumer", {}).items():
         lines.append(f"  consumer {name:>10}: {fmt(s, ' claims/s')}  x{s['ratio']:.2f}"
                      f"{_cpu_text(s)}")
@@ -377,6 +380,15 @@ def _latency_lines(rate: str, lat: dict[str, Any]) -> list[str]:
                 extra = f"  (passes up to {apart:.1f} ms apart)"
             lines.append(f"        {stage:<24} {cells}{extra}")
     return lines
+
+
+def _paired_text(s: dict[str, Any]) -> str:
+    """A row alternated with the baseline: its run-by-run ratios and their median."""
+    paired = s.get("paired_ratios")
+    if not paired:
+        return ""
+    runs = " / ".join(f"{x:.2f}" for x in paired)
+    return f" (run by run {runs}, median {statistics.median(paired):.2f})"
 
 
 def _relay_name(name: str) -> str:

@@ -146,7 +146,11 @@ def repeat(runs: int, measure: Any) -> report.Summary:
 
 def repeat_runs(runs: int, measure: Any) -> report.Summary:
     """A summary of the rates, with the median CPU use (CPU-seconds per second) per side."""
-    done: list[scenarios.Run] = [measure() for _ in range(runs)]
+    return runs_summary([measure() for _ in range(runs)])
+
+
+def runs_summary(done: list[scenarios.Run]) -> report.Summary:
+    """:func:`repeat_runs`'s summary of runs already measured."""
     s = report.summary([r.rate for r in done])
     s["cpu"] = {k: statistics.median(r.cpu[k] / r.wall for r in done) for k in done[0].cpu}
     return s
@@ -164,19 +168,12 @@ def bench_database(
     out: dict[str, Any] = {}
     n = cfg.runs
     say = _say(target.kind)
+    alternated: dict[str, list[scenarios.Run]] = {}
     if only & {"baseline", "relay"}:
-        out["baseline"] = {}
-        out["baseline_phases_ms"] = {}
-        for b in cfg.batches:
-            say(f"baseline batch {b}")
-            phases: dict[str, float] = {}
-            out["baseline"][str(b)] = repeat(
-                n, lambda b=b, ph=phases: scenarios.baseline(target, cfg.relay_events, b, ph))
-            batches = n * -(-cfg.relay_events // b)
-            out["baseline_phases_ms"][str(b)] = {k: phases.get(k, 0.0) * 1000 / batches
-                                                 for k in PHASES}
+        alternated = baseline_rows(target, cfg, "relay" in only and 1 in cfg.partitions, out,
+                                   say)
     if "relay" in only:
-        out["relay"] = relay_rows(target, cfg, say)
+        out["relay"] = relay_rows(target, cfg, say, alternated)
     if "consumer" in only:
         out["consumer"] = {}
         for procs in cfg.consumer_procs:
@@ -203,6 +200,34 @@ def bench_database(
                 n, lambda b=b: redis_ceiling(target, cfg.relay_events, b))
     report.add_ratios(out, target.kind)
     return out
+
+
+def baseline_rows(
+    target: env.Target, cfg: Config, pair: bool, out: dict[str, Any],
+    say: Callable[[str], None],
+) -> dict[str, list[scenarios.Run]]:
+    """The strong baseline at each batch size (``out["baseline"]``, its phases in
+    ``out["baseline_phases_ms"]``); with ``pair``, each run followed by a run of one relay on
+    one partition at the same batch size, whose runs are returned (``b<batch> p1``) for
+    :func:`relay_rows`: the ratio the targets name is then taken between runs seconds apart."""
+    out["baseline"], out["baseline_phases_ms"] = {}, {}
+    alternated: dict[str, list[scenarios.Run]] = {}
+    for b in cfg.batches:
+        say(f"baseline batch {b}" + (f", alternated with relay batch {b} x 1" if pair else ""))
+        phases: dict[str, float] = {}
+        rates: list[float] = []
+        relays: list[scenarios.Run] = []
+        for _ in range(cfg.runs):
+            rates.append(scenarios.baseline(target, cfg.relay_events, b, phases))
+            if pair:
+                relays.append(scenarios.relay_throughput(target, cfg.relay_events, 1, b))
+        out["baseline"][str(b)] = report.summary(rates)
+        if pair:
+            alternated[f"b{b} p1"] = relays
+        batches = cfg.runs * -(-cfg.relay_events // b)
+        out["baseline_phases_ms"][str(b)] = {k: phases.get(k, 0.0) * 1000 / batches
+                                             for k in PHASES}
+    return alternated
 
 
 def producer_rows(
@@ -243,13 +268,23 @@ def handler_rows(target: env.Target, cfg: Config) -> dict[str, Any]:
 
 
 def relay_rows(
-    target: env.Target, cfg: Config, say: Callable[[str], None]
+    target: env.Target, cfg: Config, say: Callable[[str], None],
+    alternated: dict[str, list[scenarios.Run]] | None = None,
 ) -> dict[str, Any]:
     """``b<batch> p<n>``: n relay processes, one partition each; ``b<batch> p<n> r1``: one
-    relay process owning all n partitions (it must not be slower than with one)."""
+    relay process owning all n partitions (it must not be slower than with one).
+
+    ``alternated``: the rows already measured run for run with the strong baseline of their
+    batch size (:func:`bench_database`, the 1 x 1 rows), marked so: their ratio to the loop
+    is also taken run by run (``paired_ratios``, :func:`report.add_ratios`). Measured minutes
+    apart, a machine whose speed drifts moved the ratio the targets are read from."""
     out: dict[str, Any] = {}
     for b in cfg.batches:
         for p in cfg.partitions:
+            done = (alternated or {}).get(f"b{b} p{p}")
+            if done:
+                out[f"b{b} p{p}"] = {**runs_summary(done), "alternated_with_baseline": True}
+                continue
             say(f"relay batch {b} x {p} partitions/relays")
             out[f"b{b} p{p}"] = repeat_runs(cfg.runs, lambda b=b, p=p: (
                 scenarios.relay_throughput(target, cfg.relay_events, p, b)))
