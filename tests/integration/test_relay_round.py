@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -682,3 +683,34 @@ def test_rows_no_notification_named_keep_the_poll_short_though_a_settle_took_the
     relay.wakeup.worked(relay._found_in)
     assert relay.wakeup.interval == pytest.approx(relay.wakeup.min_s)
     assert_sent_once(engine, redis_client, key_prefix, first + later)
+
+
+
+def test_a_pipelined_settle_whose_record_fails_commits_nothing(
+    engine: Engine, redis_client: redis.Redis, key_prefix: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A record that fails in the pipeline (after every fenced mark was answered) fails the
+    whole settle: it raises, and none of its marks is committed."""
+    if not pipelined_on(engine):
+        pytest.skip("the settle is pipelined on PostgreSQL only")
+    enqueue_events(engine, 24, aggregates=8)
+    held = acquire_leases(engine, "a", PARTITIONS, TTL)
+    taken, _lost = store.take_batches(engine, "a", held, 100, TTL)
+    outcomes = [store.Settlement(p, held[p], append.append(
+        redis_client, key_prefix, rows, held[p]).delivered, [], []) for p, rows in taken.items()]
+    enqueue_events(engine, 8, aggregates=8, first=24)  # rows for the settle's take to record
+    record = outgoing.record_statement
+
+    def failing(dialect: Any) -> Any:  # the record cannot run: 'boom' is no number
+        good = record(dialect)
+        sql = good.sql.replace("inflight=%(b_inflight)s", "inflight=%(b_inflight)s, "
+                               "epoch = CAST('boom' AS BIGINT)", 1)
+        assert sql != good.sql
+        return SimpleNamespace(sql=sql, defaults=good.defaults)
+
+    monkeypatch.setattr(outgoing, "record_statement", failing)
+    with pytest.raises(UnavailableError):  # the driver's text left out (translate_errors)
+        store.settle_batches(engine, "a", TTL, outcomes, take=frozenset(held), batch_size=100)
+    monkeypatch.undo()
+    assert undelivered(engine) == 32  # none of the fenced marks was committed
