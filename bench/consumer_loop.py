@@ -92,15 +92,21 @@ def batch_handler(conn: Connection, events: list[Event]) -> None:
 
 
 def handlers_for(variant: str, event_type: str) -> Handlers:
-    """The registry of one compared row (``no-op``, ``one-row``, ``batch``,
-    ``async one-row``)."""
+    """The registry of one compared row (``no-op``, ``one-row``, ``one-row unpipelined``,
+    ``batch``, ``async one-row``). Any other name raises ``ValueError``: ``loop`` is no
+    registry (:func:`drain_loop`), and an unknown row measured as another would be
+    reported under the wrong name."""
     handlers = Handlers(pipeline=variant != "one-row unpipelined")
     if variant == "batch":
         handlers.register_batch(event_type, batch_handler)
     elif variant == "async one-row":
         handlers.register(event_type, async_one_row_handler)
+    elif variant == "no-op":
+        handlers.register(event_type, _noop)
+    elif variant in ("one-row", "one-row unpipelined"):
+        handlers.register(event_type, one_row_handler)
     else:
-        handlers.register(event_type, _noop if variant == "no-op" else one_row_handler)
+        raise ValueError(f"no handler row {variant!r}: one of {VARIANTS[1:]}")
     return handlers
 
 
