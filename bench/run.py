@@ -275,7 +275,7 @@ def relay_rows(
     relay process owning all n partitions (it must not be slower than with one).
 
     ``alternated``: the rows already measured run for run with the strong baseline of their
-    batch size (:func:`bench_database`, the 1 x 1 rows), marked so: their ratio to the loop
+    batch size (:func:`baseline_rows`, the 1 x 1 rows), marked so: their ratio to the loop
     is also taken run by run (``paired_ratios``, :func:`report.add_ratios`). Measured minutes
     apart, a machine whose speed drifts moved the ratio the targets are read from."""
     out: dict[str, Any] = {}
