@@ -95,9 +95,11 @@ def add_ratios(r: dict[str, Any], kind: str) -> None:
         batch = name.split(" ")[0].removeprefix("b")
         if batch in base:
             s["ratio"] = s["median"] / base[batch]["median"]
-            if s.get("alternated_with_baseline"):  # each run to the loop's run just before it
-                s["paired_ratios"] = [round(a / b, 3) for a, b in zip(
-                    s["runs"], base[batch]["runs"], strict=True)]
+            loops = base[batch]["runs"]
+            if s.get("alternated_with_baseline") and len(loops) == len(s["runs"]):
+                # Each run to the loop's run of the same round (bench/run.py baseline_rows).
+                s["paired_ratios"] = [round(a / b, 3) for a, b in zip(s["runs"], loops,
+                                                                      strict=True)]
     first = None
     for s in r.get("consumer", {}).values():
         first = first or s["median"]

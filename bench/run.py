@@ -207,9 +207,11 @@ def baseline_rows(
     say: Callable[[str], None],
 ) -> dict[str, list[scenarios.Run]]:
     """The strong baseline at each batch size (``out["baseline"]``, its phases in
-    ``out["baseline_phases_ms"]``); with ``pair``, each run followed by a run of one relay on
-    one partition at the same batch size, whose runs are returned (``b<batch> p1``) for
-    :func:`relay_rows`: the ratio the targets name is then taken between runs seconds apart."""
+    ``out["baseline_phases_ms"]``); with ``pair``, each run paired with a run of one relay on
+    one partition at the same batch size (the loop first in even rounds, the relay first in
+    odd ones, so what one run leaves behind — vacuum, checkpoints — does not always land on
+    the same side), whose runs are returned (``b<batch> p1``) for :func:`relay_rows`: the
+    ratio the targets name is then taken between runs seconds apart."""
     out["baseline"], out["baseline_phases_ms"] = {}, {}
     alternated: dict[str, list[scenarios.Run]] = {}
     for b in cfg.batches:
@@ -217,9 +219,11 @@ def baseline_rows(
         phases: dict[str, float] = {}
         rates: list[float] = []
         relays: list[scenarios.Run] = []
-        for _ in range(cfg.runs):
+        for number in range(cfg.runs):
+            if pair and number % 2:
+                relays.append(scenarios.relay_throughput(target, cfg.relay_events, 1, b))
             rates.append(scenarios.baseline(target, cfg.relay_events, b, phases))
-            if pair:
+            if pair and not number % 2:
                 relays.append(scenarios.relay_throughput(target, cfg.relay_events, 1, b))
         out["baseline"][str(b)] = report.summary(rates)
         if pair:

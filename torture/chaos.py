@@ -29,10 +29,11 @@ POINTS_BY_KIND: dict[str, tuple[str, ...]] = {
     "worker": ("worker.mid_stage", "worker.after_checkpoint"),
 }
 DB_FAULT = "db.terminate_backends"
-# Broker faults that never read or write the database. Before any other (an empty restart counts
-# the marked entries, a failover commits a burst) every paused process is woken: on SQLite one
+# Broker faults that never read or write the database. No process is stopped while any other
+# runs (an empty restart counts the marked entries, a failover commits a burst): on SQLite one
 # stopped inside a transaction holds the write lock, and the loop, waiting for it inside the
-# fault, could not wake it.
+# fault, could not wake it. So a pause starts only if it ends before the next such fault is
+# due, and a fault due while one still runs waits for it (Chaos._pause, _waits_for_pauses).
 DATABASE_FREE_FAULTS = frozenset({"redis.kill_persistent", "redis.stall"})
 
 
@@ -176,15 +177,15 @@ class Chaos:
             if self._done(now - started):
                 return self.tally
             self._tend()
-            broker_due = now >= next_broker
-            if now >= next_pause and not broker_due:
-                self._pause(now)
+            faults = self.broker.faults
+            fault = faults[broker_i % len(faults)] if faults else ""
+            wakes = bool(fault) and fault not in DATABASE_FREE_FAULTS
+            if now >= next_pause and self._pause(now, next_broker if wakes else float("inf")):
                 next_pause = now + self.rng.expovariate(1 / self.plan.pause_every_s)
             if now >= next_random:
                 self._random_kill()
                 next_random = now + self.rng.expovariate(1 / self.plan.random_kill_every_s)
-            fault = self.broker.faults[broker_i % len(self.broker.faults)] if broker_due else ""
-            if broker_due and not self._waits_for_pauses(fault):
+            if fault and now >= next_broker and not self._waits_for_pauses(fault):
                 if self._broker_fault(fault):
                     broker_i += 1
                     next_broker = time.monotonic() + self.plan.broker_every_s
@@ -214,22 +215,31 @@ class Chaos:
             and self._outage_done
         )
 
-    def _pause(self, now: float) -> None:
+    def _pause(self, now: float, before: float = float("inf")) -> bool:
         """SIGSTOP a consumer or a worker not already stopped: two of three times for longer
-        than its lease."""
+        than its lease; the pause ends by ``before`` (the next broker fault that would wake
+        it, :data:`DATABASE_FREE_FAULTS`), and is a short one when a long one would not.
+        False when not even a short one can end by then (try again later: a retried failover
+        is then not held up by a pause started in between); True when one started, or when
+        there is nobody to pause."""
+        low, high = self.plan.pause_long_s if self.tally.pauses % 3 != 1 else (
+            self.plan.pause_short_s)
+        if now + low > before:
+            low, high = self.plan.pause_short_s
+        if now + low > before:
+            return False
         stopped = {p.child.name for p in self._paused}
         among = [c for c in self.children if c.alive() and c.name not in stopped
                  and c.kind in self.plan.pause_weights]
         if not among:
-            return
+            return True
         child = self.rng.choices(among, [self.plan.pause_weights[c.kind] for c in among])[0]
-        long = self.tally.pauses % 3 != 1
-        low, high = self.plan.pause_long_s if long else self.plan.pause_short_s
         child.pause()
         self.tally.pauses += 1
         self.tally.paused_by_kind[child.kind] += 1
         self._paused.append(_Pause(child, child.incarnation, now,
-                                   now + self.rng.uniform(low, high)))
+                                   now + self.rng.uniform(low, min(high, before - now))))
+        return True
 
     def _resume_paused(self, now: float) -> None:
         """SIGCONT every pause that is due (all of them at ``inf``), counted by how long the
@@ -325,12 +335,15 @@ class Chaos:
             victim.start(self.arm(victim))
 
     def _waits_for_pauses(self, fault: str) -> bool:
-        """Whether the due broker ``fault`` waits for the pauses to end on their own (at most
-        ``pause_long_s[1]``; no new pause starts meanwhile). One that uses the database wakes
-        every paused process first (:data:`DATABASE_FREE_FAULTS`): inflicted at once it would
-        cut them short, and a failover called off and retried every second (a loaded machine,
-        no burst marked in time) cut every pause short, so a run never paused past the lease."""
-        return fault not in DATABASE_FREE_FAULTS and bool(self._paused)
+        """Whether the due broker ``fault`` waits for a process still stopped to be woken when
+        its pause is due (at most ``pause_long_s[1]``). One that uses the database wakes every
+        paused process first (:data:`DATABASE_FREE_FAULTS`): inflicted at once it would cut
+        the pauses short, and a failover called off and retried every second (a loaded
+        machine, no burst marked in time) cut every pause short, so a run could end without
+        one past the lease. :meth:`_pause` starts none that would outlast the next such
+        fault; this holds whatever the schedule."""
+        return fault not in DATABASE_FREE_FAULTS and any(
+            p.child.incarnation == p.incarnation and p.child.alive() for p in self._paused)
 
     def _broker_fault(self, fault: str) -> bool:
         """Inflict ``fault`` (:meth:`torture.brokers.Broker.inflict`); False if nothing was

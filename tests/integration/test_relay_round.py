@@ -685,7 +685,6 @@ def test_rows_no_notification_named_keep_the_poll_short_though_a_settle_took_the
     assert_sent_once(engine, redis_client, key_prefix, first + later)
 
 
-
 def test_a_pipelined_settle_whose_record_fails_commits_nothing(
     engine: Engine, redis_client: redis.Redis, key_prefix: str,
     monkeypatch: pytest.MonkeyPatch,

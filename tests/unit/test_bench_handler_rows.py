@@ -17,6 +17,11 @@ def test_every_handler_row_has_its_registry(variant: str) -> None:
     assert handlers.pipeline is (variant != "one-row unpipelined")
     assert (handlers.batch(TYPE) is not None) is (variant == "batch")
     assert handlers.get(TYPE) is not None
+    assert handlers.has_async is (variant == "async one-row")
+    expected = {"no-op": consumer_loop._noop, "one-row": consumer_loop.one_row_handler,
+                "one-row unpipelined": consumer_loop.one_row_handler}
+    if variant in expected:  # the function itself (the batch and async rows are wrapped)
+        assert handlers.get(TYPE) is expected[variant]
 
 
 @pytest.mark.parametrize("variant", ["loop", "one row", ""])
