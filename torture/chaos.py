@@ -222,10 +222,9 @@ class Chaos:
         False when not even a short one can end by then (try again later: a retried failover
         is then not held up by a pause started in between); True when one started, or when
         there is nobody to pause."""
-        low, high = self.plan.pause_long_s if self.tally.pauses % 3 != 1 else (
-            self.plan.pause_short_s)
-        if now + low > before:
-            low, high = self.plan.pause_short_s
+        long_s, short_s = self.plan.pause_long_s, self.plan.pause_short_s
+        long = self.tally.pauses % 3 != 1 and now + long_s[0] <= before
+        low, high = long_s if long else short_s
         if now + low > before:
             return False
         stopped = {p.child.name for p in self._paused}

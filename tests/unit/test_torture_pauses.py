@@ -184,7 +184,6 @@ def test_the_plan_promises_are_violations_when_unmet() -> None:
     assert harness.plan_violations(haunted, claimed, 0, 1) == []
 
 
-
 def test_a_broker_fault_called_off_and_retried_cuts_no_pause_short(tmp_path: Path) -> None:
     """A failover called off (no burst marked in time) is retried a second later, and each
     try wakes the paused processes first: on a loaded machine every pause was cut short and
